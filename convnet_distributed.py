@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Data-parallel training of a small ConvNet on MNIST, on CPUs.
+
+Each machine runs this script once. It starts --num-processes worker processes
+(torch.multiprocessing); all workers of all machines join one process group over Gloo.
+Every worker holds a copy of the model, trains on its own shard of each epoch
+(DistributedSampler), and DistributedDataParallel averages the gradients, so the copies
+stay equal. --batch-size is per process: the global batch is batch size x world size.
+
+One machine, one process (the baseline, through the distributed code path):
+    python convnet_distributed.py --num-machines 1 --num-processes 1 --machine-id 0 --epochs 1 --batch-size 128
+One machine, 2 processes, the global batch kept at 128:
+    python convnet_distributed.py --num-processes 2 --batch-size 64
+Two machines with 8 processes each: one launch per machine, both naming machine 0's address
+(--num_machines / --machine_id, the article's spelling, work too):
+    python convnet_distributed.py --num-machines 2 --machine-id 0 --num-processes 8 --batch-size 16 --master-addr 10.0.0.1 --master-port 8892
+    python convnet_distributed.py --num-machines 2 --machine-id 1 --num-processes 8 --batch-size 16 --master-addr 10.0.0.1 --master-port 8892
+Under torchrun, which starts the processes itself (the script joins its group):
+    torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets
+
+BACKEND = "gloo"
+CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
+
+
+class ConvNet(nn.Module):
+    """Two 3x3 convolutions, max-pool, two linear layers; log-probabilities of 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, 1)
+        self.conv2 = nn.Conv2d(16, 32, 3, 1)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+DATASETS = {
+    "mnist": (datasets.MNIST, 0.1302, 0.3069),
+    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
+}
+
+
+def raw_folder(args):
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
+def prepare_data(args):
+    """Make the four files readable: unpack .gz files placed by hand, else download them."""
+    folder = raw_folder(args)
+    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+            with gzip.open(path + ".gz", "rb") as src, tempfile.NamedTemporaryFile(dir=folder, delete=False) as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(dst.name, path)  # a half-unpacked file never takes the real name
+    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
+        return
+    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
+    try:
+        DATASETS[args.dataset][0](args.data_dir, download=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        sys.exit(f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
+                 f"put the four files {', '.join(names)} there (gzipped or not) and run again")
+    finally:
+        socket.setdefaulttimeout(None)
+
+
+def load_data(args):
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    cls = DATASETS[args.dataset][0]
+    try:
+        train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
+    except Exception as e:
+        sys.exit(f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+                 "a file there is damaged: replace it")
+    return train.data, train.targets, test.data, test.targets
+
+
+def to_input(images, dataset):
+    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28]: the values of ToTensor() then Normalize()."""
+    _, mean, std = DATASETS[dataset]
+    return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
+
+
+def epoch_batches(sampler, epoch, batch_size):
+    """This rank's batches of an epoch, as index tensors: the sampler picks the shard and its order."""
+    sampler.set_epoch(epoch)  # without it every epoch repeats the first epoch's order
+    return torch.tensor(list(sampler)).split(batch_size)
+
+
+def train_epoch(model, optimizer, images, labels, batches, epoch, args):
+    """One pass over this rank's batches; returns this rank's mean training loss (a tensor)."""
+    model.train()
+    loss_sum = torch.zeros((), device=images.device)
+    for i, idx in enumerate(batches):
+        x, y = to_input(images[idx], args.dataset), labels[idx]
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients over all ranks here, bucket by bucket
+        optimizer.step()
+        loss_sum += loss.detach()
+        if i % args.log_interval == 0:
+            print0(f"epoch: {epoch} [{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]\t"
+                   f" training loss: {loss.item():.6f}")
+    return loss_sum / len(batches)
+
+
+def evaluate(model, images, labels, rank, world_size, args):
+    """Loss and accuracy over the whole test set. Rank r takes images r, r + world size, ...:
+    every image is counted exactly once (a DistributedSampler would pad and count some twice)."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
+    with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
+        for idx in torch.arange(rank, len(labels), world_size, device=images.device).split(1000):
+            output, y = model(to_input(images[idx], args.dataset)), labels[idx]
+            totals[0] += F.nll_loss(output, y, reduction="sum")
+            totals[1] += (output.argmax(1) == y).sum()
+            totals[2] += len(idx)
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+def print0(message):
+    """Print on rank 0 only: one log for the whole job, not one per process."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def save0(path, write):
+    """Rank 0 writes path atomically (a temporary file in the same folder, then a rename):
+    a run killed mid-write leaves the previous file whole."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-", delete=False) as f:
+        try:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+def save_checkpoint(model, optimizer, epoch, args):
+    state = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
+    save0(args.checkpoint, lambda f: torch.save(state, f))
+
+
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint")
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+def resume(model, optimizer, args):
+    """Load --checkpoint into model and optimizer; returns the epoch to start from. Rank 0 reads the
+    file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
+    state, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            state = read_checkpoint(args)
+        except ValueError as e:
+            error = str(e)
+    box = [(state, error)]
+    dist.broadcast_object_list(box, src=0)
+    state, error = box[0]
+    if state is not None and error is None:
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = f"{args.checkpoint} does not fit this model ({str(e).splitlines()[0]})"
+    if error is not None:
+        sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
+    if state is None:
+        print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
+        return 0
+    print0(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    return state["epoch"] + 1
+
+
+def under_torchrun():
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def placement(args, local_rank):
+    """(rank, world size, processes on this machine): the one place they are worked out."""
+    if under_torchrun():
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return (args.machine_id * args.num_processes + local_rank,
+            args.num_machines * args.num_processes, args.num_processes)
+
+
+def select_device(local_rank):
+    return torch.device("cpu")
+
+
+def train(model, optimizer, data, rank, world_size, args):
+    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
+    device = next(model.parameters()).device
+    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
+    start_epoch = resume(model, optimizer, args) if args.resume else 0
+    ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's weights: all copies start equal
+    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_seconds, history = 0.0, []
+    for epoch in range(start_epoch, args.epochs):
+        # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
+        torch.manual_seed(args.seed + epoch * world_size + rank)
+        batches = epoch_batches(sampler, epoch, args.batch_size)
+        # Every rank arrives here in step: DDP's set-up and the last epoch's evaluation synchronise.
+        start = time.perf_counter()
+        train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
+        train_seconds += time.perf_counter() - start
+        dist.all_reduce(train_loss)
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy "
+               f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)")
+        history.append({"epoch": epoch, "train_loss": train_loss.item() / world_size,
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
+        if args.checkpoint:
+            save_checkpoint(model, optimizer, epoch, args)
+    if not history:
+        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+    samples = len(history) * len(train_labels)
+    metrics = {
+        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
+        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
+        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
+        "threads": torch.get_num_threads(), "amp": args.amp,
+        "train_seconds": train_seconds, "total_seconds": time.time() - args.launch_time,
+        "samples_per_second": samples / train_seconds if train_seconds else None,
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
+        "history": history,
+    }
+    print0(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
+           f"launch to end {metrics['total_seconds']:.2f} s")
+    if args.metrics_json:
+        save0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
+    print0(f"Finished training in {train_seconds:.2f} secs")
+
+
+def worker(local_rank, args, data):
+    """One process: join the group, build the model, train."""
+    rank, world_size, _ = placement(args, local_rank)
+    torch.set_num_threads(args.threads)
+    device = select_device(local_rank)
+    dist.init_process_group(BACKEND, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        if data is None:  # under torchrun: one process per machine fetches the files, the others wait
+            if local_rank == 0:
+                prepare_data(args)
+            dist.barrier()
+            data = load_data(args)
+        torch.manual_seed(args.seed)  # the same initial weights as the baseline script's
+        model = ConvNet().to(device)
+        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+        train(model, optimizer, data, rank, world_size, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def port(text):
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
+    return value
+
+
+def default_threads(processes_per_machine):
+    """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
+    out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return positive_int(os.environ["OMP_NUM_THREADS"])
+    return max(1, len(os.sched_getaffinity(0)) // processes_per_machine)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    p.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
+                   help="images per batch in each process; the global batch is this x world size (default: 128)")
+    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    p.add_argument("--data-dir", default="./data", metavar="DIR",
+                   help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
+    p.add_argument("--log-interval", type=positive_int, default=10, metavar="N",
+                   help="batches between progress lines (default: 10)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
+                        "divided by the processes on this machine, at least 1)")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    p.add_argument("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
+    p.add_argument("--metrics-json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
+    p.add_argument("--num-machines", type=positive_int, default=1, metavar="N", help="machines in the job (default: 1)")
+    p.add_argument("--num-processes", type=positive_int, default=1, metavar="N",
+                   help="processes on this machine (default: 1)")
+    p.add_argument("--machine-id", type=int, default=0, metavar="ID",
+                   help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), metavar="HOST",
+                   help="address of machine 0, which every process contacts "
+                        "(default: MASTER_ADDR if set, else 127.0.0.1)")
+    p.add_argument("--master-port", type=port, default=os.environ.get("MASTER_PORT", "8892"), metavar="PORT",
+                   help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)")
+    p.add_argument("--timeout", type=positive_float, default=300, metavar="SECONDS",
+                   help="how long a process waits for its peers before giving up (default: 300)")
+    return p
+
+
+def parse_args(argv=None):
+    # The article spells some flags with underscores (--num_machines=2): accept both spellings.
+    argv = sys.argv[1:] if argv is None else argv
+    argv = [a.partition("=")[0].replace("_", "-") + "".join(a.partition("=")[1:]) if a.startswith("--") else a
+            for a in argv]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.machine_id < args.num_machines:
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    if args.threads is None:
+        args.threads = default_threads(placement(args, 0)[2])
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.launch_time = LAUNCH_TIME
+    if under_torchrun():
+        worker(int(os.environ["LOCAL_RANK"]), args, None)
+        return
+    # Once per machine, before the workers start: N processes downloading into one folder race.
+    prepare_data(args)
+    data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)
+    if args.num_processes == 1:
+        worker(0, args, data)
+        return
+    try:
+        mp.spawn(worker, args=(args, data), nprocs=args.num_processes)
+    except mp.ProcessExitedException as e:
+        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
+        sys.exit(1 if e.exit_code == 1 else f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

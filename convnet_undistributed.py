@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Training of a small ConvNet on MNIST in one process: the baseline for the distributed scripts.
+
+One process, all of this machine's cores:
+    python convnet_undistributed.py --epochs 1
+Fashion-MNIST, bfloat16 autocast, a checkpoint after every epoch that a rerun continues from:
+    python convnet_undistributed.py --dataset fashion-mnist --amp --epochs 3 --checkpoint ck.pt --resume
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+from torchvision import datasets
+
+CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
+
+
+class ConvNet(nn.Module):
+    """Two 3x3 convolutions, max-pool, two linear layers; log-probabilities of 10 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, 1)
+        self.conv2 = nn.Conv2d(16, 32, 3, 1)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+DATASETS = {
+    "mnist": (datasets.MNIST, 0.1302, 0.3069),
+    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
+}
+
+
+def raw_folder(args):
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
+def prepare_data(args):
+    """Make the four files readable: unpack .gz files placed by hand, else download them."""
+    folder = raw_folder(args)
+    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+            with gzip.open(path + ".gz", "rb") as src, tempfile.NamedTemporaryFile(dir=folder, delete=False) as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(dst.name, path)  # a half-unpacked file never takes the real name
+    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
+        return
+    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
+    try:
+        DATASETS[args.dataset][0](args.data_dir, download=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        sys.exit(f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
+                 f"put the four files {', '.join(names)} there (gzipped or not) and run again")
+    finally:
+        socket.setdefaulttimeout(None)
+
+
+def load_data(args):
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    cls = DATASETS[args.dataset][0]
+    try:
+        train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
+    except Exception as e:
+        sys.exit(f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+                 "a file there is damaged: replace it")
+    return train.data, train.targets, test.data, test.targets
+
+
+def to_input(images, dataset):
+    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28]: the values of ToTensor() then Normalize()."""
+    _, mean, std = DATASETS[dataset]
+    return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
+
+
+def epoch_batches(num_samples, epoch, batch_size, seed):
+    """The batches of an epoch, as index tensors, in a new order each epoch: the order a
+    DistributedSampler of one process draws, so both scripts see the same batches."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    return order.split(batch_size)
+
+
+def train_epoch(model, optimizer, images, labels, batches, epoch, args):
+    """One pass over the batches; returns the mean training loss (a tensor)."""
+    model.train()
+    loss_sum = torch.zeros((), device=images.device)
+    for i, idx in enumerate(batches):
+        x, y = to_input(images[idx], args.dataset), labels[idx]
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()
+        if i % args.log_interval == 0:
+            print(f"epoch: {epoch} [{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]\t"
+                  f" training loss: {loss.item():.6f}", flush=True)
+    return loss_sum / len(batches)
+
+
+def evaluate(model, images, labels, args):
+    """Loss and accuracy over the whole test set."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
+    with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
+        for idx in torch.arange(len(labels), device=images.device).split(1000):
+            output, y = model(to_input(images[idx], args.dataset)), labels[idx]
+            totals[0] += F.nll_loss(output, y, reduction="sum")
+            totals[1] += (output.argmax(1) == y).sum()
+            totals[2] += len(idx)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(count)
+
+
+def save_atomically(path, write):
+    """Write path atomically (a temporary file in the same folder, then a rename):
+    a run killed mid-write leaves the previous file whole."""
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-", delete=False) as f:
+        try:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+def save_checkpoint(model, optimizer, epoch, args):
+    state = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
+    save_atomically(args.checkpoint, lambda f: torch.save(state, f))
+
+
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint")
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+def resume(model, optimizer, args):
+    """Load --checkpoint into model and optimizer; returns the epoch to start from."""
+    try:
+        state = read_checkpoint(args)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        sys.exit(f"error: --resume: {str(e).splitlines()[0]}")
+    if state is None:
+        print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
+        return 0
+    print(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    return state["epoch"] + 1
+
+
+def train(model, optimizer, data, args):
+    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
+    device = next(model.parameters()).device
+    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
+    start_epoch = resume(model, optimizer, args) if args.resume else 0
+    train_seconds, history = 0.0, []
+    for epoch in range(start_epoch, args.epochs):
+        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken run
+        batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
+        start = time.perf_counter()
+        train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args)
+        train_seconds += time.perf_counter() - start
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
+        print(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy "
+              f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)")
+        history.append({"epoch": epoch, "train_loss": train_loss.item(),
+                        "test_loss": test_loss, "test_accuracy": test_accuracy})
+        if args.checkpoint:
+            save_checkpoint(model, optimizer, epoch, args)
+    if not history:
+        print(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
+    samples = len(history) * len(train_labels)
+    metrics = {
+        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
+        "world_size": 1, "epochs": args.epochs, "epochs_trained": len(history),
+        "batch_size": args.batch_size, "global_batch_size": args.batch_size,
+        "threads": torch.get_num_threads(), "amp": args.amp,
+        "train_seconds": train_seconds, "total_seconds": time.time() - args.launch_time,
+        "samples_per_second": samples / train_seconds if train_seconds else None,
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
+        "history": history,
+    }
+    print(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
+          f"launch to end {metrics['total_seconds']:.2f} s")
+    if args.metrics_json:
+        save_atomically(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
+    print(f"Finished training in {train_seconds:.2f} secs")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def port(text):
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
+    return value
+
+
+def default_threads():
+    """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return positive_int(os.environ["OMP_NUM_THREADS"])
+    return len(os.sched_getaffinity(0))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    p.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
+                   help="images per batch (default: 128)")
+    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    p.add_argument("--data-dir", default="./data", metavar="DIR",
+                   help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
+    p.add_argument("--log-interval", type=positive_int, default=10, metavar="N",
+                   help="batches between progress lines (default: 10)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    p.add_argument("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
+    p.add_argument("--metrics-json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
+    return p
+
+
+def parse_args(argv=None):
+    # The article spells some flags with underscores (--num_machines=2): accept both spellings.
+    argv = sys.argv[1:] if argv is None else argv
+    argv = [a.partition("=")[0].replace("_", "-") + "".join(a.partition("=")[1:]) if a.startswith("--") else a
+            for a in argv]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    if args.threads is None:
+        args.threads = default_threads()
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.launch_time = LAUNCH_TIME
+    torch.set_num_threads(args.threads)
+    prepare_data(args)
+    data = load_data(args)
+    torch.manual_seed(args.seed)
+    model = ConvNet()
+    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    train(model, optimizer, data, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Shared fixtures: small MNIST-format data sets, free ports, and running a script as a user would."""
+import gzip
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["convnet_undistributed.py", "convnet_distributed.py", "convnet_distributed_cuda.py"]
+N_TRAIN, N_TEST = 1200, 300  # N_TEST is not a multiple of 4 or 7: uneven test shards get exercised
+
+FILES = {  # file name: (split, images or labels)
+    "train-images-idx3-ubyte": ("train", "images"), "train-labels-idx1-ubyte": ("train", "labels"),
+    "t10k-images-idx3-ubyte": ("test", "images"), "t10k-labels-idx1-ubyte": ("test", "labels"),
+}
+
+
+def make_split(n, seed):
+    """Images whose class is learnable: a fixed random 28x28 template per class, plus noise."""
+    templates = np.random.default_rng(1234).random((10, 28, 28)) > 0.7
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n).astype(np.uint8)
+    images = templates[labels] * 180 + rng.integers(0, 75, (n, 28, 28))
+    return images.astype(np.uint8), labels
+
+
+def idx_bytes(array):
+    """The idx format of MNIST: magic (0, 0, uint8 type 0x08, dimensions), big-endian sizes, data."""
+    header = struct.pack(">BBBB", 0, 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.tobytes()
+
+
+def write_dataset(root, folder="MNIST", gz=False, n_train=N_TRAIN, n_test=N_TEST):
+    raw = os.path.join(root, folder, "raw")
+    os.makedirs(raw, exist_ok=True)
+    splits = {"train": make_split(n_train, 1), "test": make_split(n_test, 2)}
+    for name, (split, kind) in FILES.items():
+        images, labels = splits[split]
+        data = idx_bytes(images if kind == "images" else labels)
+        if gz:
+            with gzip.open(os.path.join(raw, name + ".gz"), "wb") as f:
+                f.write(data)
+        else:
+            with open(os.path.join(raw, name), "wb") as f:
+                f.write(data)
+    return root
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A data folder in torchvision's layout, with plain (not gzipped) idx files; shared, read-only use."""
+    return write_dataset(str(tmp_path_factory.mktemp("data")))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
+                                                             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def launch(script, *args, env=None, python_flags=(), cwd=None):
+    """Start a script as a user would; returns the Popen."""
+    cmd = [sys.executable, *python_flags, os.path.join(REPO, script), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or script_env(), cwd=cwd, start_new_session=True)
+
+
+def finish(proc, timeout=120):
+    """Wait for a launched script (bounded); kill its whole process group if it overruns."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_script(script, *args, timeout=120, **kw):
+    return finish(launch(script, *args, **kw), timeout)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
