@@ -7,12 +7,15 @@ import struct
 import subprocess
 import sys
 
+import time
+
 import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests import the scripts as modules too: their functions, not copies of them
 SCRIPTS = ["convnet_undistributed.py", "convnet_distributed.py", "convnet_distributed_cuda.py"]
-N_TRAIN, N_TEST = 1200, 300  # N_TEST is not a multiple of 4 or 7: uneven test shards get exercised
+N_TRAIN, N_TEST = 2560, 300  # N_TEST is not a multiple of 4 or 7: uneven test shards get exercised
 
 FILES = {  # file name: (split, images or labels)
     "train-images-idx3-ubyte": ("train", "images"), "train-labels-idx1-ubyte": ("train", "labels"),
@@ -25,7 +28,7 @@ def make_split(n, seed):
     templates = np.random.default_rng(1234).random((10, 28, 28)) > 0.7
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n).astype(np.uint8)
-    images = templates[labels] * 180 + rng.integers(0, 75, (n, 28, 28))
+    images = templates[labels] * 100 + rng.integers(0, 156, (n, 28, 28))
     return images.astype(np.uint8), labels
 
 
@@ -95,3 +98,22 @@ def run_script(script, *args, timeout=120, **kw):
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def spawn_bounded(fn, args, nprocs, timeout=120):
+    """torch.multiprocessing.spawn, with a deadline: a hung rank fails the test instead of hanging it."""
+    import torch.multiprocessing as mp
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"spawned processes still running after {timeout} s")
+
+
+def tensors(n_train=N_TRAIN, n_test=N_TEST):
+    """The fixture's data as the scripts hold it: uint8 images and int64 labels, train then test."""
+    import torch
+    (a, b), (c, d) = make_split(n_train, 1), make_split(n_test, 2)
+    return (torch.from_numpy(a), torch.from_numpy(b).long(), torch.from_numpy(c), torch.from_numpy(d).long())

@@ -1,0 +1,110 @@
+"""Command lines: the article's spellings, defaults read from the environment, ranks and threads."""
+import argparse
+import os
+
+import pytest
+import torch
+
+import convnet_distributed
+import convnet_distributed_cuda
+import convnet_undistributed
+from conftest import run_script, script_env
+
+ARTICLE_MULTI_MACHINE = "--num_machines=2 --num-processes 8 --machine_id=1 --epochs 1 --batch-size 16".split()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_article_multi_machine_flags_parse_in_both_spellings(clean_env):
+    """The article's commands use --num_machines and --machine_id, which its own parser rejected."""
+    underscore = convnet_distributed.parse_args(ARTICLE_MULTI_MACHINE)
+    dashes = convnet_distributed.parse_args([a.replace("_", "-") for a in ARTICLE_MULTI_MACHINE])
+    assert vars(underscore) == vars(dashes)
+    assert (underscore.num_machines, underscore.machine_id, underscore.num_processes) == (2, 1, 8)
+    assert convnet_distributed.placement(underscore, 3) == (11, 16, 8)  # rank = machine x processes + local
+
+
+def test_master_address_and_port_come_from_flags_then_environment(clean_env, monkeypatch):
+    """The article hard-coded 127.0.0.1:8892, so its second machine rendezvoused with itself."""
+    defaults = convnet_distributed.parse_args([])
+    assert (defaults.master_addr, defaults.master_port) == ("127.0.0.1", 8892)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    from_env = convnet_distributed.parse_args([])
+    assert (from_env.master_addr, from_env.master_port) == ("10.1.2.3", 29400)
+    flags = convnet_distributed.parse_args(["--master-addr", "10.9.9.9", "--master_port=1234"])
+    assert (flags.master_addr, flags.master_port) == ("10.9.9.9", 1234)
+
+
+@pytest.mark.parametrize("argv", [["--machine-id", "2", "--num-machines", "2"], ["--machine-id", "-1"],
+                                  ["--num-processes", "0"], ["--batch-size", "0"], ["--master-port", "70000"],
+                                  ["--lr", "0"], ["--resume"], ["--epochs", "x"]])
+def test_bad_command_lines_are_usage_errors(clean_env, argv, capsys):
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.parse_args(argv)
+    assert exit.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_threads_are_shared_out_between_the_processes_of_a_machine(clean_env, monkeypatch):
+    """The article let each of N processes start one thread per core: N-fold oversubscription."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    threads = {n: convnet_distributed.parse_args(["--num-processes", str(n)]).threads for n in (1, 2, 4, 8, 16)}
+    assert threads == {1: 8, 2: 4, 4: 2, 8: 1, 16: 1}
+    assert convnet_undistributed.parse_args([]).threads == 8
+    assert convnet_distributed.parse_args(["--num-processes", "2", "--threads", "3"]).threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert convnet_distributed.parse_args(["--num-processes", "2"]).threads == 5
+
+
+def test_torchrun_environment_decides_rank_and_world(clean_env, monkeypatch):
+    for name, value in dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    args = convnet_distributed.parse_args([])
+    assert convnet_distributed.under_torchrun()
+    assert convnet_distributed.placement(args, 1) == (5, 8, 4)
+    assert args.threads == 2
+
+
+def test_cuda_script_uses_every_visible_gpu_by_default(clean_env, monkeypatch):
+    """The article's GPU script said the GPU count was detected, but defaulted to 1."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = convnet_distributed_cuda.parse_args(["--num-machines", "2", "--machine-id", "1"])
+    assert args.num_gpu_processes == 4
+    assert args.batch_size == 64
+    assert [convnet_distributed_cuda.placement(args, g) for g in range(4)] == [(r, 8, 4) for r in range(4, 8)]
+    assert convnet_distributed_cuda.parse_args(["--num-gpu-processes", "2"]).num_gpu_processes == 2
+
+
+def test_cuda_script_without_a_gpu_says_so_in_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_script("convnet_distributed_cuda.py", "--data-dir", tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "GPU" in result.stderr and "convnet_distributed.py" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not os.listdir(tmp_path)  # nothing started: no download either
+
+
+@pytest.mark.parametrize("module", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
+def test_every_flag_has_help_ending_with_its_default(module):
+    for action in module.build_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and action.help.rstrip(")").rsplit("(default: ", 1)[-1], action.dest
+        assert "(default: " in action.help and action.help.endswith(")"), f"{action.dest}: {action.help}"
+        assert all(s.startswith("--") and "_" not in s for s in action.option_strings)
+
+
+def test_help_shows_the_launch_commands():
+    result = run_script("convnet_distributed.py", "--help", timeout=60, env=script_env())
+    assert result.returncode == 0
+    assert "--num-machines 2 --machine-id 1" in result.stdout
+    assert "torchrun --nproc-per-node" in result.stdout

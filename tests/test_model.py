@@ -1,0 +1,86 @@
+"""The three scripts hold one model and one data path: the copies must not drift apart."""
+import inspect
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms
+
+import convnet_distributed
+import convnet_distributed_cuda
+import convnet_undistributed
+
+MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
+# Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
+SAME_IN_ALL = ["ConvNet", "raw_folder", "prepare_data", "load_data", "to_input", "read_checkpoint",
+               "positive_int", "positive_float"]
+SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
+                       "default_threads"]
+
+
+@pytest.mark.parametrize("name", SAME_IN_ALL)
+def test_shared_code_is_the_same_in_all_three_scripts(name):
+    sources = {m.__name__: inspect.getsource(getattr(m, name)) for m in MODULES}
+    assert len(set(sources.values())) == 1, f"{name} differs between {sorted(sources)}"
+
+
+@pytest.mark.parametrize("name", SAME_IN_DISTRIBUTED)
+def test_shared_code_is_the_same_in_both_distributed_scripts(name):
+    assert inspect.getsource(getattr(convnet_distributed, name)) == \
+        inspect.getsource(getattr(convnet_distributed_cuda, name))
+
+
+def test_constants_are_the_same():
+    for m in MODULES:
+        assert m.DATASETS == convnet_undistributed.DATASETS
+        assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
+
+
+def test_the_three_convnets_compute_the_same_function():
+    models = [m.ConvNet() for m in MODULES]
+    state = models[0].state_dict()
+    for model in models:
+        assert [(k, v.shape) for k, v in model.state_dict().items()] == [(k, v.shape) for k, v in state.items()]
+        model.load_state_dict(state)
+        model.eval()
+    x = torch.randn(5, 1, 28, 28)
+    outputs = [model(x) for model in models]
+    assert outputs[0].shape == (5, 10)
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], rtol=0, atol=0)
+    assert sum(p.numel() for p in models[0].parameters()) == 160 + 4640 + 4608 * 64 + 64 + 650
+
+
+def test_convnet_layers_are_the_spec_and_dropout_is_element_wise():
+    """The article's distributed model used Dropout2d on a flattened tensor: a warning and another model."""
+    model = convnet_distributed.ConvNet()
+    kinds = [type(m).__name__ for m in model.children()]
+    assert kinds == ["Conv2d", "Conv2d", "Dropout", "Dropout", "Linear", "Linear"]
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.10, 0.25]
+    assert not any(isinstance(m, torch.nn.Dropout2d) for m in model.modules())
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(torch.randn(4, 1, 28, 28))
+    assert torch.allclose(out.exp().sum(1), torch.ones(4), atol=1e-5)  # log-probabilities
+
+
+@pytest.mark.parametrize("dataset", ["mnist", "fashion-mnist"])
+def test_batch_normalisation_equals_torchvision_transforms_exactly(dataset):
+    """The scripts normalise whole uint8 batches: the same bits as ToTensor() then Normalize() per image."""
+    _, mean, std = convnet_distributed.DATASETS[dataset]
+    images = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (16, 28, 28), dtype=np.uint8))
+    pipeline = transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
+    expected = torch.stack([pipeline(Image.fromarray(img.numpy(), mode="L")) for img in images])
+    got = convnet_distributed.to_input(images, dataset)
+    assert got.dtype == torch.float32 and got.shape == (16, 1, 28, 28)
+    assert torch.equal(got, expected)
+
+
+def test_fashion_mnist_statistics_are_its_own():
+    _, mnist_mean, mnist_std = convnet_distributed.DATASETS["mnist"]
+    _, mean, std = convnet_distributed.DATASETS["fashion-mnist"]
+    assert (mnist_mean, mnist_std) == (0.1302, 0.3069)
+    assert (mean, std) == (0.2860, 0.3530)

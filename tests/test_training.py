@@ -1,0 +1,87 @@
+"""End to end: the scripts launched as a user launches them, on the small generated data set."""
+import os
+import re
+
+import pytest
+
+from conftest import N_TEST, N_TRAIN, finish, free_port, launch, read_json, run_script, script_env
+
+METRIC_KEYS = {"script", "world_size", "epochs", "batch_size", "global_batch_size", "threads", "amp", "device",
+               "train_seconds", "total_seconds", "samples_per_second", "final_train_loss", "test_loss",
+               "test_accuracy"}
+PROGRESS = re.compile(r"^epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\t training loss: (\d+\.\d{6})$")
+
+
+def check_run(result, metrics_path, world_size, batch_size, epochs=1):
+    """What every good run shows: exit 0, the article's log format, a last line, sound metrics."""
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(r"Finished training in \d+\.\d+ secs", lines[-1]), lines[-1]
+    progress = [PROGRESS.match(line) for line in lines if line.startswith("epoch: ")]
+    assert progress and all(progress), lines
+    batches = -(-N_TRAIN // (batch_size * world_size))
+    # Only rank 0 prints: one progress line per 10 batches, not one per process.
+    assert [(int(m[1]), int(m[2])) for m in progress] == [(e, b) for e in range(epochs) for b in range(0, batches, 10)]
+    assert all(int(m[3]) == batches for m in progress)
+    assert len([line for line in lines if line.startswith("Test set, epoch")]) == epochs
+    m = read_json(metrics_path)
+    assert METRIC_KEYS <= set(m)
+    assert (m["world_size"], m["batch_size"], m["global_batch_size"]) == (world_size, batch_size, batch_size * world_size)
+    assert m["test_samples"] == N_TEST  # every test image counted exactly once, whatever the world size
+    assert 0 < m["train_seconds"] < m["total_seconds"]
+    assert m["samples_per_second"] == pytest.approx(epochs * N_TRAIN / m["train_seconds"])
+    assert 0 <= m["test_accuracy"] <= 1
+    first_loss = float(progress[0][5])
+    assert first_loss > 2.0 and m["final_train_loss"] < first_loss  # started at chance, and learnt
+    return m
+
+
+def test_baseline_trains_and_reports(data_dir, tmp_path):
+    metrics = tmp_path / "m.json"
+    result = run_script("convnet_undistributed.py", "--epochs", 2, "--batch-size", 64, "--data-dir", data_dir,
+                        "--metrics-json", metrics)
+    m = check_run(result, metrics, 1, 64, epochs=2)
+    assert m["script"] == "convnet_undistributed.py" and m["device"] == "cpu" and m["amp"] is False
+    assert m["threads"] == len(os.sched_getaffinity(0))
+    assert m["test_accuracy"] > 0.8  # chance is 0.1
+    assert m["history"][1]["test_loss"] < m["history"][0]["test_loss"]
+
+
+@pytest.mark.parametrize("processes,batch_size", [(1, 128), (2, 64), (3, 32), (4, 32), (8, 16)])
+def test_distributed_article_commands_train(data_dir, tmp_path, processes, batch_size):
+    """The article's runs (1, 2, 4, 8 processes at 128, 64, 32, 16), and 3 processes: uneven test shards.
+    Under -W error: the article's Dropout2d warned on every forward pass."""
+    metrics = tmp_path / "m.json"
+    result = run_script("convnet_distributed.py", "--num-machines", 1, "--num-processes", processes,
+                        "--machine-id", 0, "--epochs", 1, "--batch-size", batch_size, "--data-dir", data_dir,
+                        "--master-port", free_port(), "--metrics-json", metrics, python_flags=["-W", "error"],
+                        timeout=240)
+    m = check_run(result, metrics, processes, batch_size)
+    assert m["script"] == "convnet_distributed.py"
+    assert m["threads"] == max(1, len(os.sched_getaffinity(0)) // processes)  # no oversubscription
+    assert m["test_accuracy"] > 0.8  # chance is 0.1
+    assert result.stderr == ""
+
+
+def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
+    """The article's two-machine commands, both spellings, with the master address and port given."""
+    port = free_port()
+    common = ["--num-processes", 2, "--epochs", 1, "--batch-size", 32, "--data-dir", data_dir,
+              "--master-addr", "127.0.0.1", "--master-port", port]
+    machine1 = launch("convnet_distributed.py", "--num_machines=2", "--machine_id=1", *common,
+                      "--metrics-json", tmp_path / "m1.json")
+    machine0 = launch("convnet_distributed.py", "--num-machines", 2, "--machine-id", 0, *common,
+                      "--metrics-json", tmp_path / "m0.json")
+    result0, result1 = finish(machine0, 180), finish(machine1, 180)
+    assert result1.returncode == 0, result1.stderr
+    check_run(result0, tmp_path / "m0.json", 4, 32)
+    assert "epoch: " not in result1.stdout  # rank 0 lives on machine 0: machine 1 prints no progress
+    assert not (tmp_path / "m1.json").exists()
+
+
+def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
+    metrics = tmp_path / "m.json"
+    result = run_script("convnet_distributed.py", "--amp", "--batch-size", 64, "--data-dir", data_dir,
+                        "--master-port", free_port(), "--metrics-json", metrics)
+    m = check_run(result, metrics, 1, 64)
+    assert m["amp"] is True and m["test_accuracy"] > 0.8
