@@ -21,6 +21,7 @@ Under torchrun, which starts the processes itself (the script joins its group):
 import argparse
 import gzip
 import json
+import logging
 import os
 import shutil
 import socket
@@ -220,7 +221,7 @@ def resume(model, optimizer, args):
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            error = f"{args.checkpoint} does not fit this model ({str(e).splitlines()[0]})"
+            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error is not None:
         sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
     if state is None:
@@ -412,6 +413,8 @@ def main(argv=None):
     if args.num_processes == 1:
         worker(0, args, data)
         return
+    # When a worker fails, spawn stops the others and logs each stop: the worker's own message says more.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         mp.spawn(worker, args=(args, data), nprocs=args.num_processes)
     except mp.ProcessExitedException as e:

@@ -183,8 +183,10 @@ def resume(model, optimizer, args):
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        sys.exit(f"error: --resume: {str(e).splitlines()[0]}")
+    except (RuntimeError, KeyError) as e:
+        sys.exit(f"error: --resume: {args.checkpoint} does not fit this model ({' '.join(str(e).split())})")
+    except ValueError as e:
+        sys.exit(f"error: --resume: {e}")
     if state is None:
         print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0

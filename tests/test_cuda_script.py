@@ -1,0 +1,68 @@
+"""The GPU script's training, run here on the CPU through its own functions (Gloo for NCCL, CPU for CUDA),
+and its GPU runs, which only a machine with a GPU can do."""
+import os
+import time
+
+import pytest
+import torch
+
+import convnet_distributed_cuda as cuda_script
+from conftest import N_TEST, free_port, read_json, run_script, spawn_bounded, tensors
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+
+
+def on_cpu(module):
+    """Point the script's one choice of backend and device at Gloo and the CPU."""
+    module.BACKEND = "gloo"
+    module.select_device = lambda local_rank: torch.device("cpu")
+
+
+def cuda_worker(local_rank, args):
+    on_cpu(cuda_script)
+    cuda_script.worker(local_rank, args, tensors())
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, monkeypatch, capsys, processes):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    args = cuda_script.parse_args(["--num-gpu-processes", str(processes), "--batch-size", str(128 // processes),
+                                   "--metrics-json", str(tmp_path / "m.json"), "--checkpoint", str(tmp_path / "ck.pt")])
+    args.launch_time = time.time()
+    if processes == 1:
+        monkeypatch.setattr(cuda_script, "BACKEND", "gloo")
+        monkeypatch.setattr(cuda_script, "select_device", lambda local_rank: torch.device("cpu"))
+        cuda_script.worker(0, args, tensors())
+        assert "Finished training in" in capsys.readouterr().out
+    else:
+        spawn_bounded(cuda_worker, (args,), nprocs=processes)
+    m = read_json(tmp_path / "m.json")
+    assert (m["script"], m["world_size"], m["global_batch_size"]) == ("convnet_distributed_cuda.py", processes, 128)
+    assert m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert set(state["model"]) == set(cuda_script.ConvNet().state_dict())  # loads in the CPU scripts too
+
+
+@needs_gpu
+def test_one_gpu_epoch(data_dir, tmp_path):
+    result = run_script("convnet_distributed_cuda.py", "--num-gpu-processes", 1, "--batch-size", 128,
+                        "--data-dir", data_dir, "--master-port", free_port(), "--metrics-json", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    m = read_json(tmp_path / "m.json")
+    assert m["device"].startswith("cuda") and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
+
+
+@needs_gpu
+def test_every_gpu_by_default(data_dir, tmp_path):
+    result = run_script("convnet_distributed_cuda.py", "--data-dir", data_dir, "--master-port", free_port(),
+                        "--metrics-json", tmp_path / "m.json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_json(tmp_path / "m.json")["world_size"] == torch.cuda.device_count()
+
+
+@needs_gpu
+def test_more_gpu_processes_than_gpus_is_a_clear_error(data_dir):
+    result = run_script("convnet_distributed_cuda.py", "--num-gpu-processes", torch.cuda.device_count() + 1,
+                        "--data-dir", data_dir, timeout=60)
+    assert result.returncode == 1 and "GPU" in result.stderr and "Traceback" not in result.stderr

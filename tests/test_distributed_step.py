@@ -1,0 +1,89 @@
+"""What data parallelism promises, checked in-process with Gloo: the sampler's shards, and DDP's averaging."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+
+import convnet_distributed
+import convnet_undistributed
+from conftest import free_port, spawn_bounded, tensors
+
+
+def shards(world_size, epoch, n=1000, batch_size=10):
+    """Every rank's indices for one epoch, through the script's own epoch_batches."""
+    labels = torch.zeros(n)
+    return [torch.cat(convnet_distributed.epoch_batches(
+        DistributedSampler(labels, num_replicas=world_size, rank=r, shuffle=True, seed=0), epoch, batch_size)).tolist()
+        for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shards_never_overlap_and_change_every_epoch(world_size):
+    """The article never called set_epoch: every epoch replayed the first epoch's order."""
+    epoch0, epoch1 = shards(world_size, 0), shards(world_size, 1)
+    for ranks in (epoch0, epoch1):
+        assert sorted(i for shard in ranks for i in shard) == list(range(1000))  # disjoint, and all covered
+    for r in range(world_size):
+        assert epoch0[r] != epoch1[r]
+        assert set(epoch0[r]) != set(epoch1[r])
+
+
+def test_baseline_and_one_process_draw_the_same_batches():
+    n, batch_size = 1000, 128
+    sampler = DistributedSampler(torch.zeros(n), num_replicas=1, rank=0, shuffle=True, seed=7)
+    for epoch in (0, 3):
+        baseline = convnet_undistributed.epoch_batches(n, epoch, batch_size, seed=7)
+        distributed = convnet_distributed.epoch_batches(sampler, epoch, batch_size)
+        assert [b.tolist() for b in baseline] == [b.tolist() for b in distributed]
+
+
+def one_step(rank, world_size, port, out):
+    """One optimizer step of the script's own train_epoch, dropout off, on the first batch of epoch 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    images, labels, _, _ = tensors()
+    args = convnet_distributed.parse_args(["--batch-size", str(128 // world_size), "--log-interval", "1000"])
+    torch.manual_seed(0)
+    model = convnet_distributed.ConvNet()
+    model.dropout1.p = model.dropout2.p = 0.0
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    first = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:1]
+    initial = copy.deepcopy(model)
+    convnet_distributed.train_epoch(DistributedDataParallel(model), optimizer, images, labels, first, 0, args)
+    # This rank's own gradient, without the averaging, for contrast.
+    own_loss = torch.nn.functional.nll_loss(initial(convnet_distributed.to_input(images[first[0]], "mnist")),
+                                            labels[first[0]])
+    torch.save({"grads": [p.grad for p in model.parameters()], "params": list(model.parameters()),
+                "own_grads": torch.autograd.grad(own_loss, list(initial.parameters())),
+                "indices": first[0]}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_processes_of_64_take_the_step_of_one_process_of_128(tmp_path):
+    """DDP averages gradients: 2 ranks x 64 images step exactly as the baseline's 128 images do."""
+    images, labels, _, _ = tensors()
+    args = convnet_undistributed.parse_args(["--log-interval", "1000"])
+    torch.manual_seed(0)
+    model = convnet_undistributed.ConvNet()
+    model.dropout1.p = model.dropout2.p = 0.0
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    first = convnet_undistributed.epoch_batches(len(labels), 0, 128, args.seed)[:1]
+    convnet_undistributed.train_epoch(model, optimizer, images, labels, first, 0, args)
+
+    spawn_bounded(one_step, (2, free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # The two shards of 64 are the baseline's batch of 128, split between the ranks.
+    assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
+    for rank in ranks:
+        for p, g, p_ddp, g_ddp in zip(model.parameters(), (p.grad for p in model.parameters()),
+                                      rank["params"], rank["grads"]):
+            torch.testing.assert_close(g_ddp, g, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(p_ddp, p, rtol=1e-4, atol=1e-6)
+        # The equality is the averaging's doing: a rank's own gradient is far from the baseline's.
+        assert not torch.allclose(rank["own_grads"][-2], model.fc2.weight.grad, rtol=1e-2, atol=1e-4)
