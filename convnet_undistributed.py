@@ -60,6 +60,19 @@ def raw_folder(args):
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
+def unpack(path):
+    """Unpack path.gz into path; a half-unpacked file never takes the real name."""
+    part = f"{path}.part{os.getpid()}"
+    try:
+        with gzip.open(path + ".gz", "rb") as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(part, path)
+    except Exception as e:
+        if os.path.exists(part):
+            os.unlink(part)
+        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
+
+
 def prepare_data(args):
     """Make the four files readable: unpack .gz files placed by hand, else download them."""
     folder = raw_folder(args)
@@ -67,9 +80,7 @@ def prepare_data(args):
     for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            with gzip.open(path + ".gz", "rb") as src, tempfile.NamedTemporaryFile(dir=folder, delete=False) as dst:
-                shutil.copyfileobj(src, dst)
-            os.replace(dst.name, path)  # a half-unpacked file never takes the real name
+            unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes

@@ -93,3 +93,16 @@ def test_real_fashion_mnist_one_epoch_two_processes(tmp_path):
     assert (m["world_size"], m["test_samples"]) == (2, 10000)
     assert "epoch: 0 [400/469 (85%)]" in result.stdout  # 469 batches of 64 per rank: 60,000 images
     assert m["test_accuracy"] > 0.84, m  # measured: 0.87 after one epoch
+
+
+def test_damaged_gzip_file_is_a_clear_error_and_leaves_nothing_half_written(tmp_path):
+    write_dataset(str(tmp_path), gz=True)
+    raw = tmp_path / "MNIST" / "raw"
+    gz = raw / "t10k-images-idx3-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:2000])
+    result = run_script("convnet_undistributed.py", "--data-dir", tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "cannot unpack" in result.stderr and str(gz) in result.stderr
+    assert not (raw / "t10k-images-idx3-ubyte").exists()
+    assert not [p for p in os.listdir(raw) if ".part" in p]

@@ -14,7 +14,7 @@ import convnet_undistributed
 
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
-SAME_IN_ALL = ["ConvNet", "raw_folder", "prepare_data", "load_data", "to_input", "read_checkpoint",
+SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
                "positive_int", "positive_float"]
 SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
                        "default_threads"]
