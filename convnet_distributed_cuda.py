@@ -243,13 +243,13 @@ def resume(model, optimizer, args):
 
 
 def under_torchrun():
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def placement(args, local_rank):
     """(rank, world size, processes on this machine): the one place they are worked out."""
     if under_torchrun():
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return (args.machine_id * args.num_gpu_processes + local_rank,
             args.num_machines * args.num_gpu_processes, args.num_gpu_processes)
 
