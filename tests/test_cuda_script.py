@@ -1,6 +1,5 @@
 """The GPU script's training, run here on the CPU through its own functions (Gloo for NCCL, CPU for CUDA),
 and its GPU runs, which only a machine with a GPU can do."""
-import os
 import time
 
 import pytest
@@ -12,14 +11,10 @@ from conftest import N_TEST, free_port, read_json, run_script, spawn_bounded, te
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
 
 
-def on_cpu(module):
-    """Point the script's one choice of backend and device at Gloo and the CPU."""
-    module.BACKEND = "gloo"
-    module.select_device = lambda local_rank: torch.device("cpu")
-
-
 def cuda_worker(local_rank, args):
-    on_cpu(cuda_script)
+    """A spawned rank: the script's one choice of backend and device pointed at Gloo and the CPU."""
+    cuda_script.BACKEND = "gloo"
+    cuda_script.select_device = lambda local_rank: torch.device("cpu")
     cuda_script.worker(local_rank, args, tensors())
 
 
