@@ -19,18 +19,23 @@ Under torchrun, which starts the processes itself (the script joins its group):
     torchrun --nproc-per-node 8 convnet_distributed_cuda.py
 """
 import argparse
+import fcntl
 import gzip
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import struct
 import sys
 import tempfile
 import time
 from datetime import timedelta
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
+# c10d logs each failed connection attempt with a C++ stack trace; failures are reported here in one line.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -307,13 +312,110 @@ def train(model, optimizer, data, rank, world_size, args):
     print0(f"Finished training in {train_seconds:.2f} secs")
 
 
+def open_store(rank, world_size, args, deadline):
+    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
+    where = f"{args.master_addr}:{args.master_port}"
+    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
+        try:
+            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                sys.exit(f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
+                         f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
+                         "--master-port and the firewall")
+            time.sleep(0.5)
+    try:
+        return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=rank == 0,
+                             timeout=timedelta(seconds=args.timeout), wait_for_workers=False)
+    except dist.DistError as e:
+        if rank == 0:
+            sys.exit(f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
+                     "the port; choose a free --master-port")
+        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def interface_addresses():
+    """{interface name: its IPv4 address} for this machine's interfaces that have one (Linux)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's address, in a struct ifreq
+                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                found[name] = socket.inet_ntoa(ifreq[20:24])
+            except OSError:
+                pass
+    return found
+
+
+def choose_gloo_interface(rank, world_size, local_world_size, master_addr):
+    """Gloo listens on the address this host's name resolves to, which on many hosts (this one too) is
+    127.0.0.1: unreachable from another machine. When the job spans machines and GLOO_SOCKET_IFNAME is
+    unset, take the interface that routes to machine 0. A GLOO_SOCKET_IFNAME set by the user wins."""
+    if BACKEND != "gloo":
+        return
+    addresses = interface_addresses()
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        unknown = [name for name in os.environ["GLOO_SOCKET_IFNAME"].split(",") if name not in addresses]
+        if unknown:
+            sys.exit(f"error: GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no interface "
+                     f"{unknown[0]} with an IPv4 address (it has {', '.join(sorted(addresses))})")
+        return
+    if world_size == local_world_size:  # one machine: the loopback Gloo picks is right
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # a UDP "connect" sends nothing: it only asks the kernel for the route
+            own = s.getsockname()[0]
+    except OSError as e:
+        sys.exit(f"error: no route from this machine to --master-addr {master_addr} ({e.strerror or e})")
+    if own.startswith("127."):  # machine 0 is this host: loopback is right
+        return
+    name = next((name for name, address in addresses.items() if address == own), None)
+    if name is None:
+        sys.exit(f"error: cannot tell which interface holds {own}, the address that reaches {master_addr}: "
+                 "set GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    if rank == 0:
+        print(f"Gloo uses interface {name} ({own}), which reaches --master-addr {master_addr}; "
+              "set GLOO_SOCKET_IFNAME to choose another", flush=True)
+
+
+def join_group(rank, world_size, args):
+    """Join the job's process group. Arrivals are counted, so that a machine that never starts is
+    reported after --timeout, not waited for in silence."""
+    timeout = timedelta(seconds=args.timeout)
+    if under_torchrun():  # torchrun ran the rendezvous: its address and this rank are in the environment
+        dist.init_process_group(BACKEND, init_method="env://", timeout=timeout)
+        return
+    deadline = time.monotonic() + args.timeout
+    store = open_store(rank, world_size, args, deadline)
+    try:
+        store.add("joined", 1)
+        while (joined := store.add("joined", 0)) < world_size:
+            if rank == 0 and time.monotonic() > deadline:
+                sys.exit(f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} "
+                         f"s: start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
+                         f"{args.num_machines - 1}) with the same --master-addr and --master-port")
+            time.sleep(0.1)
+    except dist.DistError as e:  # rank 0 gave up, or its machine went away
+        sys.exit(f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def last_line(error):
+    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return re.sub(r"^\[[^\]]*\] ", "", lines[-1]).split(". ")[0].rstrip(".")
+
+
 def worker(local_rank, args, data):
     """One process: join the group, build the model, train."""
-    rank, world_size, _ = placement(args, local_rank)
+    rank, world_size, local_world_size = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     device = select_device(local_rank)
-    dist.init_process_group(BACKEND, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+    choose_gloo_interface(rank, world_size, local_world_size, args.master_addr)
+    join_group(rank, world_size, args)
     try:
         if data is None:  # under torchrun: one process per machine fetches the files, the others wait
             if local_rank == 0:
@@ -324,8 +426,21 @@ def worker(local_rank, args, data):
         model = ConvNet().to(device)
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         train(model, optimizer, data, rank, world_size, args)
+    except RuntimeError as e:
+        # Gloo reports a lost peer as a plain RuntimeError, raised inside backward() by DDP.
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+            raise
+        sys.exit(f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
+                 f"or did not answer within --timeout {args.timeout:g} s")
     finally:
         dist.destroy_process_group()
+
+
+def spawned_worker(local_rank, args, data):
+    try:
+        worker(local_rank, args, data)
+    except KeyboardInterrupt:
+        sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
 
 
 def positive_int(text):
@@ -359,6 +474,8 @@ def default_threads(processes_per_machine):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # A mistake on the command line gets one line naming the flag, not a usage block first.
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N",
                    help="images per batch in each process; the global batch is this x world size (default: 64)")
@@ -377,19 +494,45 @@ def build_parser():
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
     p.add_argument("--metrics-json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
-    p.add_argument("--num-machines", type=positive_int, default=1, metavar="N", help="machines in the job (default: 1)")
+    p.add_argument("--num-machines", type=positive_int, default=None, metavar="N",
+                   help="machines in the job (default: 1)")
     p.add_argument("--num-gpu-processes", type=positive_int, default=None, metavar="N",
                    help="processes on this machine, one per GPU, GPUs 0 to N-1 (default: every visible GPU)")
-    p.add_argument("--machine-id", type=int, default=0, metavar="ID",
+    p.add_argument("--machine-id", type=int, default=None, metavar="ID",
                    help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), metavar="HOST",
+    p.add_argument("--master-addr", default=None, metavar="HOST",
                    help="address of machine 0, which every process contacts "
                         "(default: MASTER_ADDR if set, else 127.0.0.1)")
-    p.add_argument("--master-port", type=port, default=os.environ.get("MASTER_PORT", "8892"), metavar="PORT",
+    p.add_argument("--master-port", type=port, default=None, metavar="PORT",
                    help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)")
     p.add_argument("--timeout", type=positive_float, default=300, metavar="SECONDS",
                    help="how long a process waits for its peers before giving up (default: 300)")
     return p
+
+
+def fill_layout(parser, args):
+    """Machines, processes, this machine's id and machine 0's address: the flags, else the environment,
+    else one process on one machine. Under torchrun its environment decides: a flag that says otherwise
+    is reported, not ignored."""
+    env, torchrun = os.environ, {}
+    if under_torchrun():
+        local = int(env.get("LOCAL_WORLD_SIZE", 1))
+        torchrun = {"num_gpu_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
+                    "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": env.get("MASTER_ADDR"),
+                    "master_port": env.get("MASTER_PORT")}
+    defaults = {"num_gpu_processes": max(1, torch.cuda.device_count()), "num_machines": 1, "machine_id": 0,
+                "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": env.get("MASTER_PORT", "8892")}
+    for name, default in defaults.items():
+        given, decided = getattr(args, name), torchrun.get(name)
+        if given is not None and decided is not None and str(given) != str(decided):
+            parser.error(f"--{name.replace('_', '-')} {given} disagrees with torchrun, which set {decided}: "
+                         "drop the flag, or give torchrun the same")
+        setattr(args, name, next(v for v in (given, decided, default) if v is not None))
+    try:
+        args.master_port = port(str(args.master_port))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"MASTER_PORT={env['MASTER_PORT']!r} in the environment is not a port number (1-65535): "
+                     "fix it, or pass --master-port")
 
 
 def parse_args(argv=None):
@@ -399,6 +542,7 @@ def parse_args(argv=None):
             for a in argv]
     parser = build_parser()
     args = parser.parse_args(argv)
+    fill_layout(parser, args)
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
     if args.resume and not args.checkpoint:
@@ -409,11 +553,31 @@ def parse_args(argv=None):
             parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    if args.num_gpu_processes is None:
-        args.num_gpu_processes = max(1, torch.cuda.device_count())
     if args.threads is None:
         args.threads = default_threads(placement(args, 0)[2])
     return args
+
+
+def run_workers(args, data, nprocs):
+    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
+    # spawn logs every stop it makes; the failed worker's own message says more.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    context = mp.start_processes(spawned_worker, args=(args, data), nprocs=nprocs, join=False)
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 130:
+            raise KeyboardInterrupt from None
+        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
+        sys.exit(1 if e.exit_code == 1 else f"error: rank {placement(args, e.error_index)[0]} (pid {e.error_pid}) {how}: "
+                                            "the other processes of this machine were stopped")
+    finally:
+        for process in context.processes:  # Ctrl-C here: no worker may outlive the launch
+            if process.is_alive():
+                process.terminate()
+            process.join()
 
 
 def main(argv=None):
@@ -423,23 +587,21 @@ def main(argv=None):
         sys.exit("error: no CUDA GPU is visible: this script needs one; on CPUs run convnet_distributed.py")
     if args.num_gpu_processes > torch.cuda.device_count():
         sys.exit(f"error: --num-gpu-processes {args.num_gpu_processes}: only {torch.cuda.device_count()} GPU(s) visible")
-    if under_torchrun():
-        worker(int(os.environ["LOCAL_RANK"]), args, None)
-        return
-    # Once per machine, before the workers start: N processes downloading into one folder race.
-    prepare_data(args)
-    data = load_data(args)  # handed to the workers in shared memory: one copy per machine
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = args.master_addr, str(args.master_port)
-    if args.num_gpu_processes == 1:
-        worker(0, args, data)
-        return
-    # When a worker fails, spawn stops the others and logs each stop: the worker's own message says more.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        mp.spawn(worker, args=(args, data), nprocs=args.num_gpu_processes)
-    except mp.ProcessExitedException as e:
-        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
-        sys.exit(1 if e.exit_code == 1 else f"error: {e}")
+        if under_torchrun():
+            worker(int(os.environ["LOCAL_RANK"]), args, None)
+            return
+        # Once per machine, before the workers start: N processes downloading into one folder race.
+        prepare_data(args)
+        data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+        if args.num_gpu_processes == 1:
+            worker(0, args, data)
+        else:
+            run_workers(args, data, args.num_gpu_processes)
+    except KeyboardInterrupt:
+        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        print(f"Interrupted: every process of this launch stopped{checkpoint}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 if __name__ == "__main__":

@@ -276,6 +276,8 @@ def default_threads():
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # A mistake on the command line gets one line naming the flag, not a usage block first.
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
     p.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
                    help="images per batch (default: 128)")
@@ -320,12 +322,17 @@ def main(argv=None):
     args = parse_args(argv)
     args.launch_time = LAUNCH_TIME
     torch.set_num_threads(args.threads)
-    prepare_data(args)
-    data = load_data(args)
-    torch.manual_seed(args.seed)
-    model = ConvNet()
-    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-    train(model, optimizer, data, args)
+    try:
+        prepare_data(args)
+        data = load_data(args)
+        torch.manual_seed(args.seed)
+        model = ConvNet()
+        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+        train(model, optimizer, data, args)
+    except KeyboardInterrupt:
+        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        print(f"Interrupted{checkpoint}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
                "positive_int", "positive_float"]
 SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
-                       "default_threads"]
+                       "default_threads", "open_store", "join_group", "last_line", "interface_addresses",
+                       "choose_gloo_interface", "spawned_worker", "run_workers", "parse_args"]
 
 
 @pytest.mark.parametrize("name", SAME_IN_ALL)

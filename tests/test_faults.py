@@ -1,0 +1,242 @@
+"""Faults a distributed job meets and a single process never does: each ends the whole job, within a bound,
+with a message naming the cause, and loses no finished work."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import convnet_distributed
+from conftest import REPO, finish, free_port, launch, read_json, script_env
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=20):
+    """A launch of the CPU script, 20 batches an epoch per rank, as one machine of a job."""
+    return launch("convnet_distributed.py", "--data-dir", data_dir, "--num-processes", processes,
+                  "--batch-size", 128 // (processes * machines), "--num-machines", machines, "--machine-id", machine,
+                  "--master-port", port or free_port(), "--timeout", timeout, "--log-interval", 1, *args)
+
+
+def wait_for_line(proc, prefix, limit=120):
+    """Read the launch's stdout until a line starts with prefix; returns the lines read."""
+    lines, deadline = [], time.monotonic() + limit
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+        assert time.monotonic() < deadline, f"no line {prefix!r} within {limit} s:\n{''.join(lines)}"
+    pytest.fail(f"the launch ended before printing {prefix!r}:\n{''.join(lines)}\n{proc.stderr.read()}")
+
+
+def workers(proc):
+    """The rank processes a launch spawned (not multiprocessing's resource tracker)."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def left_running(pgid, grace=15):
+    """Processes of a launch's process group still running after a grace period (zombies do not count)."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for p in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def ended(proc, within):
+    """Wait for the launch, at most `within` seconds; returns (result, seconds it took)."""
+    start = time.monotonic()
+    result = finish(proc, timeout=within)
+    return result, time.monotonic() - start
+
+
+def assert_clean_failure(result, *phrases):
+    assert result.returncode not in (0, None), result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+
+
+# Bad input: one line, the flag named, exit status 2, nothing started.
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--num-processes", "0"], "--num-processes"), (["--num-machines", "0"], "--num-machines"),
+    (["--epochs", "0"], "--epochs"), (["--batch-size", "-3"], "--batch-size"), (["--threads", "0"], "--threads"),
+    (["--log-interval", "0"], "--log-interval"), (["--lr", "0"], "--lr"), (["--lr", "nan"], "--lr"),
+    (["--master-port", "0"], "--master-port"), (["--master-port", "65536"], "--master-port"),
+    (["--machine-id", "-1"], "--machine-id"), (["--num-machines", "2", "--machine-id", "2"], "--machine-id"),
+    (["--timeout", "0"], "--timeout"), (["--epochs", "two"], "--epochs")])
+def test_out_of_range_numbers_are_one_line_naming_the_flag(argv, flag, capsys, monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and flag in err and "error:" in err, err
+
+
+def test_master_port_in_the_environment_that_is_not_a_number(tmp_path):
+    result = finish(launch("convnet_distributed.py", "--data-dir", tmp_path, env=script_env(MASTER_PORT="http")),
+                    timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "MASTER_PORT='http'" in result.stderr
+    assert not os.listdir(tmp_path)  # nothing started: no download
+
+
+@pytest.mark.parametrize("script", ["convnet_undistributed.py", "convnet_distributed.py"])
+def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path):
+    (tmp_path / "not-a-folder").write_text("")
+    result = finish(launch(script, "--data-dir", tmp_path / "not-a-folder", "--metrics-json",
+                           tmp_path / "missing" / "m.json"), timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "(see --help)" in result.stderr, result.stderr
+
+
+# Faults: the whole job ends, within a bound, saying why.
+
+def test_master_port_held_by_another_program(data_dir):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = job(data_dir, port=port, timeout=60)
+        result, seconds = ended(proc, within=90)
+    assert_clean_failure(result, f"127.0.0.1:{port}", "--master-port")
+    assert seconds < 45  # seconds, not --timeout: the listening socket fails at once
+    assert left_running(proc.pid) == []
+
+
+def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
+    port = free_port()
+    machine0 = job(data_dir, machines=2, machine=0, port=port, timeout=5)
+    result, seconds = ended(machine0, within=90)
+    assert_clean_failure(result, "only 2 of 4 processes joined within --timeout 5 s", "--num-machines 2")
+    assert result.stdout == ""
+    assert left_running(machine0.pid) == []
+
+    machine1 = job(data_dir, machines=2, machine=1, port=port, timeout=5)  # and machine 0 never starts
+    result, seconds = ended(machine1, within=90)
+    assert_clean_failure(result, f"no answer from machine 0 at 127.0.0.1:{port} within --timeout 5 s")
+    assert left_running(machine1.pid) == []
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
+    port = free_port()
+    machines = [job(data_dir, "--epochs", 50, machines=2, machine=m, port=port, timeout=20) for m in (0, 1)]
+    wait_for_line(machines[0], "epoch: 0 [5/")
+    killed = workers(machines[victim])[-1]
+    killed.kill()  # SIGKILL, mid-epoch: no chance to say goodbye
+    start = time.monotonic()
+    results = [finish(m, timeout=120) for m in machines]
+    assert time.monotonic() - start < 60  # well inside --timeout (20 s) plus shutdown
+    assert_clean_failure(results[victim], "was killed by SIGKILL")
+    assert_clean_failure(results[1 - victim], "lost contact with the job")
+    assert [left_running(m.pid) for m in machines] == [[], []]
+
+
+@pytest.mark.parametrize("script,processes,target", [("convnet_undistributed.py", 1, "group"),
+                                                     ("convnet_distributed.py", 2, "group"),
+                                                     ("convnet_distributed.py", 2, "launcher")])
+def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(data_dir, tmp_path, script,
+                                                                             processes, target):
+    ck = tmp_path / "ck.pt"
+    extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
+    proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50,
+                  "--log-interval", 1, "--checkpoint", ck, *extra)
+    wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
+    # A terminal's Ctrl-C reaches the whole foreground process group; `kill -INT` reaches the launcher alone.
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    result, seconds = ended(proc, within=60)
+    assert result.returncode == 130, result.stderr
+    assert "Interrupted" in result.stderr and str(ck) in result.stderr and "Traceback" not in result.stderr
+    assert seconds < 30
+    assert left_running(proc.pid) == []
+    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+
+
+def test_killed_while_writing_a_checkpoint_the_previous_one_still_loads(tmp_path):
+    ck = tmp_path / "ck.pt"
+    convnet_distributed.save0(ck, lambda f: torch.save({"epoch": 3}, f))
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {REPO!r})
+import convnet_distributed
+def half_written(f):
+    f.write(b"x" * 100000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+convnet_distributed.save0({str(ck)!r}, half_written)
+"""], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "writing\n"
+    writer.kill()
+    writer.wait(timeout=30)
+    assert torch.load(ck, weights_only=True) == {"epoch": 3}
+
+
+def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
+    ck = tmp_path / "ck.pt"
+
+    def run(*args, name):
+        return job(data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args)
+
+    whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
+    assert whole.returncode == 0, whole.stderr
+    crashed = run(name="crashed.json")
+    wait_for_line(crashed, "epoch: 1 [2/")
+    os.killpg(crashed.pid, signal.SIGKILL)  # the machine goes down: nobody cleans up
+    finish(crashed)
+    assert torch.load(ck, weights_only=True)["epoch"] == 0
+    resumed = finish(run(name="resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "starting epoch 1" in resumed.stdout
+    a, b = read_json(tmp_path / "resumed.json"), read_json(tmp_path / "whole.json")
+    assert a["epochs_trained"] == 2 and b["epochs_trained"] == 3
+    assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4)
+    assert [h["train_loss"] for h in a["history"]] == pytest.approx([h["train_loss"] for h in b["history"][1:]],
+                                                                    rel=1e-4)
+
+
+def test_the_sampler_order_of_an_epoch_does_not_depend_on_the_epochs_before_it():
+    """A resumed run starts with a fresh sampler at epoch k: it must draw what an unbroken run draws there."""
+    labels = torch.zeros(1000)
+
+    def sampler():
+        return torch.utils.data.distributed.DistributedSampler(labels, num_replicas=2, rank=1, seed=7)
+
+    unbroken = sampler()
+    orders = [torch.cat(convnet_distributed.epoch_batches(unbroken, epoch, 64)) for epoch in range(3)]
+    fresh = torch.cat(convnet_distributed.epoch_batches(sampler(), 2, 64))
+    assert torch.equal(fresh, orders[2])
+    assert not torch.equal(orders[1], orders[2])  # set_epoch reshuffles
+
+
+def test_two_jobs_side_by_side_on_one_host_do_not_interfere(data_dir, tmp_path):
+    jobs = [job(data_dir, "--metrics-json", tmp_path / f"{i}.json") for i in (0, 1)]
+    results = [finish(j, timeout=180) for j in jobs]
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    a, b = read_json(tmp_path / "0.json"), read_json(tmp_path / "1.json")
+    assert a["world_size"] == b["world_size"] == 2
+    assert a["test_loss"] == b["test_loss"] and a["final_train_loss"] == b["final_train_loss"]
