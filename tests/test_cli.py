@@ -107,3 +107,20 @@ def test_help_shows_the_launch_commands():
     assert result.returncode == 0
     assert "--num-machines 2 --machine-id 1" in result.stdout
     assert "torchrun --nproc-per-node" in result.stdout
+
+
+@pytest.mark.parametrize("flags,message", [(["--num-processes", "4"], "--num-processes 4 disagrees with torchrun"),
+                                           (["--num-machines", "1"], "--num-machines 1 disagrees"),
+                                           (["--machine-id", "0"], "--machine-id 0 disagrees"),
+                                           (["--master-port", "1234"], "--master-port 1234 disagrees")])
+def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, capsys, flags, message):
+    """torchrun --nnodes 2 --nproc-per-node 2, node 1: its environment decides; a flag saying otherwise is a mistake."""
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
+                            MASTER_ADDR="10.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    args = convnet_distributed.parse_args(["--num-processes", "2", "--num-machines", "2", "--machine-id", "1"])
+    assert (args.num_processes, args.num_machines, args.machine_id) == (2, 2, 1)
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 29500)
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.parse_args(flags)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
