@@ -95,6 +95,17 @@ def run_script(script, *args, timeout=120, **kw):
     return finish(launch(script, *args, **kw), timeout)
 
 
+def wait_for_line(proc, prefix, limit=120):
+    """Read the launch's stdout until a line starts with prefix; returns the lines read."""
+    lines, deadline = [], time.monotonic() + limit
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+        assert time.monotonic() < deadline, f"no line {prefix!r} within {limit} s:\n{''.join(lines)}"
+    pytest.fail(f"the launch ended before printing {prefix!r}:\n{''.join(lines)}\n{proc.stderr.read()}")
+
+
 def read_json(path):
     with open(path) as f:
         return json.load(f)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import convnet_distributed
-from conftest import REPO, finish, free_port, launch, read_json, script_env
+from conftest import REPO, finish, free_port, launch, read_json, script_env, wait_for_line
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,17 +22,6 @@ def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=
     return launch("convnet_distributed.py", "--data-dir", data_dir, "--num-processes", processes,
                   "--batch-size", 128 // (processes * machines), "--num-machines", machines, "--machine-id", machine,
                   "--master-port", port or free_port(), "--timeout", timeout, "--log-interval", 1, *args)
-
-
-def wait_for_line(proc, prefix, limit=120):
-    """Read the launch's stdout until a line starts with prefix; returns the lines read."""
-    lines, deadline = [], time.monotonic() + limit
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            return lines
-        assert time.monotonic() < deadline, f"no line {prefix!r} within {limit} s:\n{''.join(lines)}"
-    pytest.fail(f"the launch ended before printing {prefix!r}:\n{''.join(lines)}\n{proc.stderr.read()}")
 
 
 def workers(proc):

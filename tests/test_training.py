@@ -4,9 +4,12 @@ import re
 import subprocess
 import sys
 
+import psutil
 import pytest
+import torch
 
-from conftest import N_TEST, N_TRAIN, REPO, finish, free_port, launch, read_json, run_script, script_env
+from conftest import (N_TEST, N_TRAIN, REPO, finish, free_port, launch, read_json, run_script, script_env,
+                      wait_for_line)
 
 METRIC_KEYS = {"script", "world_size", "epochs", "batch_size", "global_batch_size", "threads", "amp", "device",
                "train_seconds", "total_seconds", "samples_per_second", "final_train_loss", "test_loss",
@@ -87,13 +90,51 @@ def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
     assert m["amp"] is True and m["test_accuracy"] > 0.8
 
 
-def test_torchrun_launch_joins_its_group(data_dir, tmp_path):
-    """Under torchrun the script does not spawn: it joins the group torchrun made, with torchrun's ranks."""
-    metrics = tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(REPO, "convnet_distributed.py"), "--batch-size", "64", "--data-dir", data_dir,
-           "--metrics-json", metrics]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
+def torchrun(*args, script_args=()):
+    """Start torchrun as a user would (python -m torch.distributed.run is the torchrun command)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args), os.path.join(REPO, "convnet_distributed.py"),
+           *map(str, script_args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
                             start_new_session=True)
-    m = check_run(finish(proc, 180), metrics, 2, 64)
+
+
+def test_torchrun_launch_joins_its_group_and_matches_the_scripts_own_launch(data_dir, tmp_path):
+    """Under torchrun the script does not spawn: it joins the group torchrun made, with torchrun's ranks,
+    and trains exactly as its own launch of the same world size does."""
+    common = ["--batch-size", 64, "--data-dir", data_dir, "--seed", 3]
+    proc = torchrun("--nproc-per-node", 2, "--master-port", free_port(),
+                    script_args=[*common, "--metrics-json", tmp_path / "torchrun.json"])
+    under_torchrun = finish(proc, 180)
+    m = check_run(under_torchrun, tmp_path / "torchrun.json", 2, 64)
     assert m["threads"] == 1  # torchrun sets OMP_NUM_THREADS=1 for several processes, and it is respected
+    own = run_script("convnet_distributed.py", *common, "--num-processes", 2, "--threads", 1,
+                     "--master-port", free_port(), "--metrics-json", tmp_path / "own.json")
+    o = check_run(own, tmp_path / "own.json", 2, 64)
+    assert set(m) == set(o)
+    first_line = [line for line in under_torchrun.stdout.splitlines() if line.startswith("epoch: ")][0]
+    assert first_line == [line for line in own.stdout.splitlines() if line.startswith("epoch: ")][0]
+    assert m["test_loss"] == pytest.approx(o["test_loss"], rel=1e-5)
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_group_resumes_from_the_checkpoint(data_dir, tmp_path):
+    """torchrun --max-restarts: a rank killed mid-epoch makes torchrun restart the group, which resumes from
+    the last complete checkpoint and ends as an unbroken run ends."""
+    ck = tmp_path / "ck.pt"
+    common = ["--batch-size", 64, "--data-dir", data_dir, "--epochs", 3, "--log-interval", 1]
+    unbroken = run_script("convnet_distributed.py", *common, "--num-processes", 2, "--threads", 1,
+                          "--master-port", free_port(), "--metrics-json", tmp_path / "unbroken.json", timeout=180)
+    assert unbroken.returncode == 0, unbroken.stderr
+    proc = torchrun("--nproc-per-node", 2, "--max-restarts", 2, "--master-port", free_port(),
+                    script_args=[*common, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / "m.json"])
+    wait_for_line(proc, "epoch: 1 [2/")
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "convnet_distributed.py" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    ranks[1].kill()
+    result = finish(proc, 240)
+    assert result.returncode == 0, result.stderr
+    assert "Resuming from" in result.stdout and "starting epoch 1" in result.stdout
+    restarted, whole = read_json(tmp_path / "m.json"), read_json(tmp_path / "unbroken.json")
+    assert restarted["epochs_trained"] == 2 and torch.load(ck, weights_only=True)["epoch"] == 2
+    assert restarted["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
+    assert restarted["test_accuracy"] == whole["test_accuracy"]
