@@ -25,8 +25,9 @@ def commands():
     for text in texts:
         for line in text.splitlines():
             match = re.search(r"(?:python|torchrun [^c]*) (convnet_\w+\.py)(.*)", line)
-            if match:
-                found.append((match[1], match[2].split("#")[0].strip()))
+            if match:  # SLURM's per-task variables as one task of 2 nodes would read them
+                flags = match[2].split("#")[0].replace("'", "").replace("$SLURM_NNODES", "2")
+                found.append((match[1], flags.replace("$SLURM_NODEID", "1").strip()))
     return found
 
 
@@ -50,3 +51,14 @@ def test_ci_runs_exactly_the_readme_test_command():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = [line.strip() for line in f]
     assert test_command in ci
+
+
+def test_several_machines_section_runs_what_the_namespace_tests_run():
+    """The README's two-machine commands use the flags tests/test_multihost.py launches with, and no others."""
+    section = readme().split("## Running on several machines")[1].split("\n## ")[0]
+    with open(os.path.join(REPO, "tests", "test_multihost.py")) as f:
+        tested = set(re.findall(r'"(--[a-z-]+)"', f.read()))
+    for line in section.splitlines():
+        if "convnet_distributed.py" in line and "--nnodes" in line or "--num-machines 2" in line:
+            used = set(re.findall(r"(--[a-z-]+)", line)) - {"--epochs", "--checkpoint", "--resume", "--max-restarts"}
+            assert used <= tested, (line, used - tested)
