@@ -2,10 +2,12 @@
 import gzip
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 
 import time
 
@@ -96,14 +98,26 @@ def run_script(script, *args, timeout=120, **kw):
 
 
 def wait_for_line(proc, prefix, limit=120):
-    """Read the launch's stdout until a line starts with prefix; returns the lines read."""
-    lines, deadline = [], time.monotonic() + limit
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            return lines
-        assert time.monotonic() < deadline, f"no line {prefix!r} within {limit} s:\n{''.join(lines)}"
-    pytest.fail(f"the launch ended before printing {prefix!r}:\n{''.join(lines)}\n{proc.stderr.read()}")
+    """Read a launch's stdout until a line starts with prefix; returns the lines read. Past the limit
+    the launch's process group is killed, which ends the read, and the test fails."""
+    lines = []
+    deadline = threading.Timer(limit, kill_group, (proc,))
+    deadline.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                return lines
+    finally:
+        deadline.cancel()
+    pytest.fail(f"no line {prefix!r} within {limit} s, or the launch ended:\n{''.join(lines)}\n{proc.stderr.read()}")
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def read_json(path):

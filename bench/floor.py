@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The floor: one rank's share of a data-parallel epoch, with everything but the arithmetic taken away.
+
+A tight loop over pre-normalised float tensors held in memory: the same ConvNet and Adadelta as the
+scripts, no DistributedDataParallel, no sampler, no DataLoader, no logging. With the defaults it
+does the work of one rank of a 2-process run at a global batch of 128 (60,000 images: 469 steps of
+64 images) on 1 thread. A distributed run cannot be faster than this; bench/scaling.py reports how
+close it comes. The timed loop excludes start-up, loading and normalising.
+
+    python bench/floor.py --dataset fashion-mnist --data-dir data --metrics-json floor.json
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the model and the data loading of the baseline script, not copies of them
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.optim as optim  # noqa: E402
+from convnet_undistributed import ConvNet, keep_freed_memory, load_data, prepare_data, to_input  # noqa: E402
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist", help="data set (default: mnist)")
+    p.add_argument("--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout "
+                   "(default: ./data)")
+    p.add_argument("--world-size", type=int, default=2, metavar="N",
+                   help="processes of the run whose one rank's work is done here (default: 2)")
+    p.add_argument("--batch-size", type=int, default=64, metavar="N", help="images per step (default: 64)")
+    p.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the shard (default: 1)")
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="intra-op threads (default: 1)")
+    p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--metrics-json", metavar="PATH", help="write the figures here as JSON (default: none)")
+    return p
+
+
+def shard_batches(args):
+    """One rank's shard (a random 1/world-size of the training set), normalised once, cut into batches."""
+    data_args = SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir)
+    prepare_data(data_args)
+    images, labels, _, _ = load_data(data_args)
+    shard = torch.randperm(len(labels))[: math.ceil(len(labels) / args.world_size)]
+    x, y = to_input(images[shard], args.dataset).contiguous(), labels[shard]
+    return list(zip(x.split(args.batch_size), y.split(args.batch_size))), len(labels)
+
+
+def train(model, optimizer, batches, epochs):
+    """The timed loop: forward, loss, backward, step; nothing else. Returns (seconds, last loss)."""
+    model.train()
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in batches:
+            loss = F.nll_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return time.perf_counter() - start, loss.item()
+
+
+def main():
+    args = build_parser().parse_args()
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the scripts do: the floor gets every advantage they get
+    torch.manual_seed(args.seed)
+    batches, train_size = shard_batches(args)
+    model = ConvNet()
+    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    seconds, last_loss = train(model, optimizer, batches, args.epochs)
+    shard_samples = sum(len(y) for _, y in batches) * args.epochs
+    metrics = {
+        "script": "bench/floor.py", "dataset": args.dataset, "world_size": 1, "simulated_world_size": args.world_size,
+        "epochs": args.epochs, "batch_size": args.batch_size, "steps": len(batches) * args.epochs,
+        "threads": torch.get_num_threads(), "train_size": train_size, "train_seconds": seconds,
+        # As a rank of the simulated run would count it: the whole set passes while each rank does its shard.
+        "samples_per_second": train_size * args.epochs / seconds, "shard_samples": shard_samples,
+        "final_train_loss": last_loss,
+    }
+    print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s) "
+          f"in {seconds:.2f} s")
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as f:
+            json.dump(metrics, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,469 @@
+#!/usr/bin/env python3
+"""How convnet_distributed.py scales with processes on this machine, and how close it is to the floor.
+
+Launches the scripts as a user would, one subprocess per run, and writes to --out-dir:
+  scaling.md   the scaling table (1, 2, 4, 8 processes at a global batch of 128) and the reference
+               table (a bare training loop, 1 process vs 2, the baseline, torchvision's textbook data
+               path, bfloat16 autocast) with each target marked PASS or FAIL
+  scaling.png  speed-up against processes (needs matplotlib; skipped, saying so, without it)
+  runs.json    every run: command, the script's metrics, peak memory
+
+Run from the repository root, on a quiet machine (15 to 20 minutes on 2 cores with the defaults):
+    mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
+    python bench/scaling.py --dataset fashion-mnist --data-dir data
+A quick check of the benchmark itself: point --data-dir at a small data set in the same layout and
+pass --repeats 1 --processes 1,2. The report says how busy other programs kept the machine during
+the runs, and warns where that disturbed the timings.
+
+Each configuration runs --repeats times and the tables show medians. The runs are interleaved (every
+configuration once, then every configuration again, ...), so that a disturbance of the machine
+spreads over all configurations instead of landing on one. Peak memory is the largest resident set
+size of each rank over its run (sampled every 0.1 s), and of the launching process.
+"""
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from runner import run_monitored
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+DISTRIBUTED, BASELINE = "convnet_distributed.py", "convnet_undistributed.py"
+FLOOR, TORCHVISION = "bench/floor.py", "bench/torchvision_reference.py"
+MIB = 2 ** 20
+# Variables that would change what the scripts do: the benchmark measures their defaults.
+SCRUBBED_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One command to time: a script and its own flags (the common ones are added at launch)."""
+    script: str
+    flags: tuple = ()
+
+    @property
+    def key(self):
+        return " ".join((self.script,) + self.flags)
+
+
+# --- the configurations -------------------------------------------------------------------------
+
+def scaling_configs(args):
+    """processes: the distributed script at that many processes, the global batch kept constant."""
+    return {p: Config(DISTRIBUTED, ("--num-processes", str(p), "--batch-size", str(args.global_batch // p)))
+            for p in args.processes}
+
+
+def reference_configs():
+    """(label, what it is, config) of the reference table, in the order they are run."""
+    return [
+        ("a", "floor: one rank's work of a 2-process run, bare loop, 1 thread",
+         Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1"))),
+        ("b", "distributed, 2 processes", Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64"))),
+        ("c", "distributed, 1 process, 1 thread",
+         Config(DISTRIBUTED, ("--num-processes", "1", "--threads", "1", "--batch-size", "128"))),
+        ("d", "baseline", Config(BASELINE, ("--batch-size", "128"))),
+        ("e", "torchvision transform + DataLoader", Config(TORCHVISION, ("--batch-size", "128"))),
+        ("f", "baseline, bfloat16 autocast", Config(BASELINE, ("--batch-size", "128", "--amp"))),
+    ]
+
+
+def all_configs(args):
+    """Every distinct command, in run order: a command in both tables (2 processes) runs once per repeat."""
+    configs = list(scaling_configs(args).values())
+    if not args.skip_reference:
+        configs += [config for _, _, config in reference_configs()]
+    return list(dict.fromkeys(configs))
+
+
+# --- running ------------------------------------------------------------------------------------
+
+def free_port():
+    """A port free now: a fixed one would collide with a run still closing, or with another user."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(config, args, metrics_path):
+    argv = [sys.executable, os.path.join(REPO, config.script), *config.flags, "--epochs", str(args.epochs),
+            "--dataset", args.dataset, "--data-dir", args.data_dir, "--metrics-json", metrics_path]
+    if config.script == DISTRIBUTED:
+        argv += ["--master-port", str(free_port())]
+    return argv
+
+
+def script_env():
+    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_once(config, args, repeat, tmp):
+    """Run a configuration once; its record, or exit non-zero showing why it failed."""
+    metrics_path = os.path.join(tmp, "metrics.json")
+    if os.path.exists(metrics_path):
+        os.unlink(metrics_path)  # a stale file must not pass for this run's figures
+    result = run_monitored(command(config, args, metrics_path), args.timeout, cwd=REPO, env=script_env())
+    if result.returncode and "address already in use" in result.stderr_tail.lower():
+        # Another program took the free port between our check and the script's bind: once more, another port.
+        result = run_monitored(command(config, args, metrics_path), args.timeout, cwd=REPO, env=script_env())
+    if result.returncode != 0 or not os.path.exists(metrics_path):
+        fail(config, repeat, result, args.timeout)
+    with open(metrics_path) as f:
+        metrics = json.load(f)
+    return {"config": config.key, "repeat": repeat, "argv": result.argv, "wall_seconds": result.wall_seconds,
+            "peak_rss_per_rank_mib": [b / MIB for b in result.rank_peak_rss],
+            "peak_rss_launcher_mib": result.launcher_peak_rss / MIB, "other_cpu_cores": result.other_cpu,
+            "metrics": metrics}
+
+
+def fail(config, repeat, result, timeout):
+    why = (f"ran past the {timeout:g} s timeout and was killed" if result.returncode is None
+           else f"exited with status {result.returncode}" if result.returncode
+           else "wrote no metrics file")
+    message = [f"error: {config.key} (repeat {repeat + 1}) {why} after {result.wall_seconds:.1f} s",
+               f"command: {' '.join(result.argv)}"]
+    for name, text in (("stderr", result.stderr_tail), ("stdout", result.stdout_tail)):
+        if text.strip():
+            message += [f"--- {name}, last lines ---", text]
+    sys.exit("\n".join(message))
+
+
+def import_rss_mib():
+    """RSS of a Python that has only imported torch and torchvision: the part of every figure below
+    that is the libraries' pages, not the run's data and model."""
+    code = "import time, torch, torchvision; time.sleep(0.5)"  # the pause lets a sample see the full import
+    result = run_monitored([sys.executable, "-c", code], timeout=300, env=script_env())
+    return result.launcher_peak_rss / MIB if result.returncode == 0 else None
+
+
+def measure(args, facts):
+    """Every configuration, args.repeats times, interleaved; runs.json is rewritten after each run,
+    so an interrupted benchmark keeps what it measured."""
+    configs, records = all_configs(args), []
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for repeat in range(args.repeats):
+            for i, config in enumerate(configs):
+                record = run_once(config, args, repeat, tmp)
+                records.append(record)
+                write_json(os.path.join(args.out_dir, "runs.json"),
+                           {"machine": facts, "options": vars(args), "runs": records})
+                print(f"[repeat {repeat + 1}/{args.repeats}, run {i + 1}/{len(configs)}] {config.key}: "
+                      f"train loop {record['metrics']['train_seconds']:.2f} s, "
+                      f"peak RSS per rank {max(record['peak_rss_per_rank_mib']):.0f} MiB, "
+                      f"other programs {record['other_cpu_cores']:.2f} cores", flush=True)
+    return records
+
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+# --- summarising --------------------------------------------------------------------------------
+
+def summarise(records):
+    """Per configuration: medians over its repeats."""
+    by_config = {}
+    for record in records:
+        by_config.setdefault(record["config"], []).append(record)
+    return {key: summary(runs) for key, runs in by_config.items()}
+
+
+def summary(runs):
+    def median(get):
+        values = [get(r) for r in runs]
+        return None if None in values else statistics.median(values)
+    return {
+        "runs": len(runs),
+        "threads": runs[0]["metrics"].get("threads"),
+        "train_seconds": median(lambda r: r["metrics"]["train_seconds"]),
+        "samples_per_second": median(lambda r: r["metrics"]["samples_per_second"]),
+        "test_accuracy": median(lambda r: r["metrics"].get("test_accuracy")),
+        "peak_rss_rank_mib": median(lambda r: max(r["peak_rss_per_rank_mib"])),
+        "peak_rss_launcher_mib": median(lambda r: r["peak_rss_launcher_mib"]),
+        "train_size": round(runs[0]["metrics"]["samples_per_second"] * runs[0]["metrics"]["train_seconds"]
+                            / runs[0]["metrics"]["epochs"]),
+    }
+
+
+def scaling_rows(args, summaries):
+    """One row per process count; speed-up against the smallest count measured (normally 1)."""
+    configs = scaling_configs(args)
+    base_p = min(configs)
+    base_seconds = summaries[configs[base_p].key]["train_seconds"]
+    rows = []
+    for p, config in configs.items():
+        s = summaries[config.key]
+        speedup = base_seconds / s["train_seconds"]
+        rows.append({"processes": p, "speedup": speedup, "efficiency": speedup * base_p / p, **s})
+    return rows
+
+
+def by_label(summaries):
+    """The reference runs' summaries by their label, (a) to (f)."""
+    return {label: summaries[config.key] for label, _, config in reference_configs()}
+
+
+def targets(summaries):
+    """(check, measured, target, passed) for each target of the reference table."""
+    t = by_label(summaries)
+    sec = {label: s["train_seconds"] for label, s in t.items()}
+    accuracy_gap = 100 * (t["f"]["test_accuracy"] - t["d"]["test_accuracy"])
+    return [
+        ("(b) / (a): 2 processes against the floor", sec["b"] / sec["a"], "≤ 1.15", sec["b"] / sec["a"] <= 1.15),
+        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", sec["c"] / sec["b"], "≥ 1.8",
+         sec["c"] / sec["b"] >= 1.8),
+        ("(e) / (d): torchvision's data path against the baseline's", sec["e"] / sec["d"], "≥ 1.3",
+         sec["e"] / sec["d"] >= 1.3),
+        ("(d) / (f): speed-up of bfloat16 autocast", sec["d"] / sec["f"], "≥ 1.4", sec["d"] / sec["f"] >= 1.4),
+        ("(f) − (d): test accuracy, points", accuracy_gap, "within ±0.5", abs(accuracy_gap) <= 0.5),
+    ]
+
+
+# --- reporting ----------------------------------------------------------------------------------
+
+def machine_facts(args):
+    return {
+        "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(), "torch": package_version("torch"),
+        "torchvision": package_version("torchvision"), "commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "dataset": args.dataset,
+        "import_rss_mib": import_rss_mib(),
+    }
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def package_version(name):
+    # From the installed metadata: importing torch here would add its memory and threads to the benchmark.
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def git_commit():
+    """The commit the scripts were measured at, marked where the working tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + (" (modified)" if dirty else "")) or "unknown"
+
+
+def fmt(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def quietness(records, cores):
+    """A line on how busy other programs kept the machine during the runs, and a warning where they mattered."""
+    worst = max(records, key=lambda r: r["other_cpu_cores"])
+    mean = statistics.mean(r["other_cpu_cores"] for r in records)
+    line = (f"Other programs kept {mean:.2f} of {cores} cores busy on average during the runs "
+            f"(at most {worst['other_cpu_cores']:.2f}, during `{worst['config']}`).")
+    if worst["other_cpu_cores"] > 0.1 * cores:
+        line += " **Warning: the machine was not quiet; the timings are disturbed. Rerun on a quiet machine.**"
+    return line
+
+
+def header(args, facts, records, train_size):
+    lines = [
+        f"Machine: {facts['cpu']}, {facts['usable_cores']} usable cores ({facts['logical_cpus']} logical CPUs); "
+        f"Python {facts['python']}, torch {facts['torch']}, torchvision {facts['torchvision']}; "
+        f"commit {facts['commit']}; {facts['date']}.",
+        "",
+        f"Data: {args.dataset}, {train_size:,} training images, {args.epochs} epoch(s); "
+        f"median of {args.repeats} run(s) per row, the runs interleaved.",
+        "",
+        quietness(records, facts["usable_cores"]),
+    ]
+    if train_size < 60000:
+        lines += ["", f"Note: a {train_size:,}-image training set, not the full 60,000: start-up weighs more and "
+                      "the targets below are meant for the full set."]
+    return lines
+
+
+def scaling_table(args, rows, facts):
+    base_p = rows[0]["processes"]  # rows go by process count, up
+    lines = [
+        f"## Scaling: `{DISTRIBUTED}`, global batch {args.global_batch}",
+        "",
+        f"| processes | threads per process | train loop (s) | samples/s | speed-up vs {base_p} "
+        "| efficiency | test accuracy | peak RSS per rank (MiB) | peak RSS of launcher (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['processes']} | {r['threads']} | {r['train_seconds']:.2f} | {r['samples_per_second']:,.0f} "
+            f"| {r['speedup']:.2f}× | {100 * r['efficiency']:.0f}% | {fmt(100 * r['test_accuracy'], '.2f')}% "
+            f"| {r['peak_rss_rank_mib']:.0f} | {r['peak_rss_launcher_mib']:.0f} |")
+    lines += ["", "Efficiency is speed-up ÷ processes. With 1 process the launcher is the rank; with more, the "
+                  "launcher only spawns the ranks, which share its copy of the data (RSS counts it in each)."]
+    if facts["import_rss_mib"]:
+        lines[-1] += (f" For scale: a Python that has only imported torch and torchvision has an RSS of "
+                      f"{facts['import_rss_mib']:.0f} MiB, most of it library pages shared between processes.")
+    return lines
+
+
+def reference_table(summaries):
+    d_seconds = by_label(summaries)["d"]["train_seconds"]
+    lines = [
+        "## Reference runs, side by side",
+        "",
+        "| | run | command | threads | train loop (s) | ÷ (d) | test accuracy | peak RSS per rank (MiB) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, what, config in reference_configs():
+        s = summaries[config.key]
+        accuracy = "–" if s["test_accuracy"] is None else f"{100 * s['test_accuracy']:.2f}%"
+        lines.append(f"| ({label}) | {what} | `{config.key}` | {s['threads']} | {s['train_seconds']:.2f} "
+                     f"| {s['train_seconds'] / d_seconds:.2f} | {accuracy} | {s['peak_rss_rank_mib']:.0f} |")
+    lines += ["", "| check | measured | target | result |", "|---|---:|---|---|"]
+    for check, value, target, passed in targets(summaries):
+        lines.append(f"| {check} | {value:.2f} | {target} | {'PASS' if passed else 'FAIL'} |")
+    return lines
+
+
+def write_markdown(path, args, facts, records, rows, summaries):
+    train_size = next(iter(summaries.values()))["train_size"]
+    lines = ["# Scaling of the CPU data-parallel script", "", *header(args, facts, records, train_size), "",
+             *scaling_table(args, rows, facts)]
+    if not args.skip_reference:
+        lines += ["", *reference_table(summaries)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(path, rows, facts):
+    """Speed-up against processes, with the ideal line; False where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): skipping the plot", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    processes = [r["processes"] for r in rows]
+    top = max(processes + [facts["usable_cores"]])
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    ax.plot([1, top], [1, top], "--", color="grey", label="ideal (speed-up = processes)")
+    ax.plot(processes, [r["speedup"] for r in rows], "o-", label="measured (median)")
+    ax.axvline(facts["usable_cores"], color="tab:red", linestyle=":",
+               label=f"usable cores ({facts['usable_cores']})")
+    ax.set_xticks(sorted(set(processes + [facts["usable_cores"]])))
+    ax.set_xlabel("processes (global batch kept constant)")
+    ax.set_ylabel(f"speed-up of the training loop vs {min(processes)} process(es)")
+    ax.set_title(f"{DISTRIBUTED}, {facts['dataset']}\n{facts['cpu']}, {facts['usable_cores']} usable cores",
+                 fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def process_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected process counts of at least 1, got {text!r}")
+    return sorted(set(values))
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="mnist",
+                   help="data set, passed to every script (default: mnist)")
+    p.add_argument("--data-dir", default="./data", metavar="DIR",
+                   help="data folder in torchvision's layout (DIR/MNIST/raw, DIR/FashionMNIST/raw); a small "
+                        "data set here makes a quick run (default: ./data)")
+    p.add_argument("--processes", type=process_list, default=[1, 2, 4, 8], metavar="P,P,...",
+                   help="process counts of the scaling table (default: 1,2,4,8)")
+    p.add_argument("--global-batch", type=positive_int, default=128, metavar="N",
+                   help="global batch of the scaling table; each of P processes gets N/P (default: 128)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="runs of each configuration; the tables show medians (default: 3)")
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
+    p.add_argument("--out-dir", default=os.path.join(BENCH, "results"), metavar="DIR",
+                   help="where scaling.md, scaling.png and runs.json go (default: bench/results)")
+    p.add_argument("--skip-reference", action="store_true",
+                   help="measure the scaling table only, not the reference runs (default: off)")
+    p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
+                   help="longest a single run may take before it is killed and the benchmark fails "
+                        "(default: 1800)")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    uneven = [p for p in args.processes if args.global_batch % p]
+    if uneven:
+        parser.error(f"--global-batch {args.global_batch} does not split evenly over {uneven} processes")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    args.data_dir = os.path.abspath(args.data_dir)  # the scripts run from the repository root
+    args.out_dir = os.path.abspath(args.out_dir)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    facts = machine_facts(args)
+    records = measure(args, facts)
+    summaries = summarise(records)
+    rows = scaling_rows(args, summaries)
+    write_markdown(os.path.join(args.out_dir, "scaling.md"), args, facts, records, rows, summaries)
+    png = os.path.join(args.out_dir, "scaling.png")
+    plotted = plot(png, rows, facts)
+    if not plotted and os.path.exists(png):
+        os.unlink(png)  # an earlier benchmark's plot would pass for this one's
+    with open(os.path.join(args.out_dir, "scaling.md")) as f:
+        print("\n" + f.read())
+    print(f"Written: {os.path.join(args.out_dir, 'scaling.md')}"
+          + (f", {png}" if plotted else "")
+          + f", {os.path.join(args.out_dir, 'runs.json')}")
+
+
+if __name__ == "__main__":
+    main()
