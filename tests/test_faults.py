@@ -118,12 +118,14 @@ def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
     machine0 = job(data_dir, machines=2, machine=0, port=port, timeout=5)
     result, seconds = ended(machine0, within=90)
     assert_clean_failure(result, "only 2 of 4 processes joined within --timeout 5 s", "--num-machines 2")
+    assert 5 <= seconds < 60  # it waited --timeout for the missing machine, and not much longer
     assert result.stdout == ""
     assert left_running(machine0.pid) == []
 
     machine1 = job(data_dir, machines=2, machine=1, port=port, timeout=5)  # and machine 0 never starts
     result, seconds = ended(machine1, within=90)
     assert_clean_failure(result, f"no answer from machine 0 at 127.0.0.1:{port} within --timeout 5 s")
+    assert 5 <= seconds < 60
     assert left_running(machine1.pid) == []
 
 

@@ -59,6 +59,6 @@ def test_several_machines_section_runs_what_the_namespace_tests_run():
     with open(os.path.join(REPO, "tests", "test_multihost.py")) as f:
         tested = set(re.findall(r'"(--[a-z-]+)"', f.read()))
     for line in section.splitlines():
-        if "convnet_distributed.py" in line and "--nnodes" in line or "--num-machines 2" in line:
+        if ("convnet_distributed.py" in line and "--nnodes" in line) or "--num-machines 2" in line:
             used = set(re.findall(r"(--[a-z-]+)", line)) - {"--epochs", "--checkpoint", "--resume", "--max-restarts"}
             assert used <= tested, (line, used - tested)
