@@ -75,6 +75,8 @@ def reference_configs():
         ("d", "baseline", Config(BASELINE, ("--batch-size", "128"))),
         ("e", "torchvision transform + DataLoader", Config(TORCHVISION, ("--batch-size", "128"))),
         ("f", "baseline, bfloat16 autocast", Config(BASELINE, ("--batch-size", "128", "--amp"))),
+        ("g", "distributed, 2 processes, gradients averaged over Gloo (loopback TCP), not shared memory",
+         Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64", "--allreduce", "gloo"))),
     ]
 
 
@@ -189,6 +191,7 @@ def summary(runs):
     return {
         "runs": len(runs),
         "threads": runs[0]["metrics"].get("threads"),
+        "allreduce": runs[0]["metrics"].get("allreduce"),
         "train_seconds": median(lambda r: r["metrics"]["train_seconds"]),
         "samples_per_second": median(lambda r: r["metrics"]["samples_per_second"]),
         "test_accuracy": median(lambda r: r["metrics"].get("test_accuracy")),
@@ -314,13 +317,14 @@ def scaling_table(args, rows, facts):
         f"## Scaling: `{DISTRIBUTED}`, global batch {args.global_batch}",
         "",
         f"| processes | threads per process | train loop (s) | samples/s | speed-up vs {base_p} "
-        "| efficiency | test accuracy | peak RSS per rank (MiB) | peak RSS of launcher (MiB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| efficiency | test accuracy | gradients averaged | peak RSS per rank (MiB) | peak RSS of launcher (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['processes']} | {r['threads']} | {r['train_seconds']:.2f} | {r['samples_per_second']:,.0f} "
             f"| {r['speedup']:.2f}× | {100 * r['efficiency']:.0f}% | {fmt(100 * r['test_accuracy'], '.2f')}% "
+            f"| {'–' if r['processes'] == 1 else r['allreduce']} "
             f"| {r['peak_rss_rank_mib']:.0f} | {r['peak_rss_launcher_mib']:.0f} |")
     lines += ["", "Efficiency is speed-up ÷ processes. With 1 process the launcher is the rank; with more, the "
                   "launcher only spawns the ranks, which share its copy of the data (RSS counts it in each)."]

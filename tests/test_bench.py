@@ -1,6 +1,7 @@
 """bench/scaling.py, the benchmark a user runs, on the small generated data: it writes its tables, plot and runs."""
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     assert table.count("PASS") + table.count("FAIL") == 5  # every target judged
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = json.loads((out / "runs.json").read_text())["runs"]
-    assert len(runs) == 7  # 1 and 2 processes, then the reference runs (a)-(f), (b) being the 2-process run
+    assert len(runs) == 8  # 1 and 2 processes, then the reference runs (a)-(g), (b) being the 2-process run
     for run in runs:
         m = run["metrics"]
         assert 0 < m["train_seconds"] < 300 and m["samples_per_second"] > 0, run["config"]
@@ -32,3 +33,6 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     two = next(r for r in runs if "--num-processes 2 --batch-size 64" in r["config"])
     assert len(two["peak_rss_per_rank_mib"]) == 2 and two["metrics"]["world_size"] == 2
     assert two["metrics"]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    gloo = next(r for r in runs if "--allreduce gloo" in r["config"])
+    shared = "shared-memory" if platform.machine() in ("x86_64", "AMD64") else "gloo"  # the script's rule
+    assert (two["metrics"]["allreduce"], gloo["metrics"]["allreduce"]) == (shared, "gloo")

@@ -1,11 +1,11 @@
 """What data parallelism promises, checked in-process with Gloo: the sampler's shards, and DDP's averaging."""
 import copy
 import os
+import platform
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
 import convnet_distributed
@@ -41,44 +41,53 @@ def test_baseline_and_one_process_draw_the_same_batches():
         assert [b.tolist() for b in baseline] == [b.tolist() for b in distributed]
 
 
-def one_step(rank, world_size, port, out):
-    """One optimizer step of the script's own train_epoch, dropout off, on the first batch of epoch 0."""
+def one_step(rank, world_size, port, out, allreduce):
+    """One optimizer step of the script's own DDP set-up and train_epoch, dropout off, on the first batch
+    of epoch 0."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     images, labels, _, _ = tensors()
-    args = convnet_distributed.parse_args(["--batch-size", str(128 // world_size), "--log-interval", "1000"])
+    args = convnet_distributed.parse_args(["--batch-size", str(128 // world_size), "--log-interval", "1000",
+                                           "--allreduce", allreduce])
     torch.manual_seed(0)
-    model = convnet_distributed.ConvNet()
+    model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
     model.dropout1.p = model.dropout2.p = 0.0
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     first = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:1]
     initial = copy.deepcopy(model)
-    convnet_distributed.train_epoch(DistributedDataParallel(model), optimizer, images, labels, first, 0, args)
+    ddp_model = convnet_distributed.data_parallel(model, rank, world_size, args)
+    convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
     own_loss = torch.nn.functional.nll_loss(initial(convnet_distributed.to_input(images[first[0]], "mnist")),
                                             labels[first[0]])
     torch.save({"grads": [p.grad for p in model.parameters()], "params": list(model.parameters()),
                 "own_grads": torch.autograd.grad(own_loss, list(initial.parameters())),
-                "indices": first[0]}, os.path.join(out, f"rank{rank}.pt"))
+                "indices": first[0], "allreduce": args.allreduce}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def test_two_processes_of_64_take_the_step_of_one_process_of_128(tmp_path):
-    """DDP averages gradients: 2 ranks x 64 images step exactly as the baseline's 128 images do."""
+@pytest.mark.parametrize("world_size, allreduce, used", [(2, "auto", "shared-memory"), (2, "gloo", "gloo"),
+                                                       (4, "auto", "shared-memory")])
+def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_path, world_size, allreduce, used):
+    """DDP averages gradients: 2 ranks x 64 images (or 4 x 32) step as the baseline's 128 images do,
+    whether the gradients go through shared memory or over Gloo."""
+    if used == "shared-memory" and platform.machine() not in ("x86_64", "AMD64"):
+        used = "gloo"  # the script keeps shared memory to x86-64
     images, labels, _, _ = tensors()
     args = convnet_undistributed.parse_args(["--log-interval", "1000"])
     torch.manual_seed(0)
-    model = convnet_undistributed.ConvNet()
+    model = convnet_undistributed.ConvNet().to(memory_format=torch.channels_last)
     model.dropout1.p = model.dropout2.p = 0.0
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     first = convnet_undistributed.epoch_batches(len(labels), 0, 128, args.seed)[:1]
     convnet_undistributed.train_epoch(model, optimizer, images, labels, first, 0, args)
 
-    spawn_bounded(one_step, (2, free_port(), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    # The two shards of 64 are the baseline's batch of 128, split between the ranks.
+    spawn_bounded(one_step, (world_size, free_port(), str(tmp_path), allreduce), nprocs=world_size)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    assert {r["allreduce"] for r in ranks} == {used}
+    # The shards are the baseline's batch of 128, split between the ranks.
     assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
     for rank in ranks:
         for p, g, p_ddp, g_ddp in zip(model.parameters(), (p.grad for p in model.parameters()),
