@@ -71,7 +71,7 @@ def main():
     keep_freed_memory()  # as the scripts do: the floor gets every advantage they get
     torch.manual_seed(args.seed)
     batches, train_size = shard_batches(args)
-    model = ConvNet()
+    model = ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     seconds, last_loss = train(model, optimizer, batches, args.epochs)
     shard_samples = sum(len(y) for _, y in batches) * args.epochs

@@ -82,7 +82,7 @@ def main():
     train_set, test_set = datasets_for(args)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    model = ConvNet().to(device)
+    model = ConvNet().to(device, memory_format=torch.channels_last)  # as the scripts hold it
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
     train_seconds = 0.0
