@@ -5,7 +5,7 @@ Each machine runs this script once. It starts --num-processes worker processes
 (torch.multiprocessing); all workers of all machines join one process group over Gloo.
 Every worker holds a copy of the model, trains on its own shard of each epoch
 (DistributedSampler), and DistributedDataParallel averages the gradients, so the copies
-stay equal. --batch-size is per process: the global batch is batch size x world size.
+stay equal (in shared memory when every worker is on one machine, else over Gloo). --batch-size is per process: the global batch is batch size x world size.
 
 One machine, one process (the baseline, through the distributed code path):
     python convnet_distributed.py --num-machines 1 --num-processes 1 --machine-id 0 --epochs 1 --batch-size 128

@@ -1,5 +1,6 @@
 """What data parallelism promises, checked in-process with Gloo: the sampler's shards, and DDP's averaging."""
 import copy
+import glob
 import os
 import platform
 
@@ -87,6 +88,7 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
     spawn_bounded(one_step, (world_size, free_port(), str(tmp_path), allreduce), nprocs=world_size)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     assert {r["allreduce"] for r in ranks} == {used}
+    assert not glob.glob("/dev/shm/convnet-ddp-*")  # the shared area's name went once every rank had mapped it
     # The shards are the baseline's batch of 128, split between the ranks.
     assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
     for rank in ranks:
