@@ -7,7 +7,12 @@ does the work of one rank of a 2-process run at a global batch of 128 (60,000 im
 64 images) on 1 thread. A distributed run cannot be faster than this; bench/scaling.py reports how
 close it comes. The timed loop excludes start-up, loading and normalising.
 
+With --copies 2, two such loops run at once, one process each, with no communication: on a machine
+whose cores slow each other down (shared caches, memory bandwidth, a hypervisor), that is as fast
+as 2 processes can be, and the gap between it and the floor is the machine's, not the scripts'.
+
     python bench/floor.py --dataset fashion-mnist --data-dir data --metrics-json floor.json
+    python bench/floor.py --dataset fashion-mnist --data-dir data --copies 2
 """
 import argparse
 import json
@@ -21,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the model and the data loading of the baseline script, not copies of them
 
 import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from convnet_undistributed import ConvNet, keep_freed_memory, load_data, prepare_data, to_input  # noqa: E402
@@ -38,15 +44,17 @@ def build_parser():
     p.add_argument("--threads", type=int, default=1, metavar="N", help="intra-op threads (default: 1)")
     p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--copies", type=int, default=1, metavar="N",
+                   help="run N copies at once, one process each, their loops started together: what N processes "
+                        "cost each other by sharing the machine, with no communication at all; the time reported "
+                        "is the slowest copy's (default: 1)")
     p.add_argument("--metrics-json", metavar="PATH", help="write the figures here as JSON (default: none)")
     return p
 
 
 def shard_batches(args):
     """One rank's shard (a random 1/world-size of the training set), normalised once, cut into batches."""
-    data_args = SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir)
-    prepare_data(data_args)
-    images, labels, _, _ = load_data(data_args)
+    images, labels, _, _ = load_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))
     shard = torch.randperm(len(labels))[: math.ceil(len(labels) / args.world_size)]
     x, y = to_input(images[shard], args.dataset).contiguous(), labels[shard]
     return list(zip(x.split(args.batch_size), y.split(args.batch_size))), len(labels)
@@ -65,25 +73,54 @@ def train(model, optimizer, batches, epochs):
     return time.perf_counter() - start, loss.item()
 
 
-def main():
-    args = build_parser().parse_args()
+def one_copy(args, copy, start_together=None, results=None):
+    """Load, build, then the timed loop; (seconds, last loss, shard images, steps, training set size)."""
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the scripts do: the floor gets every advantage they get
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed + copy)
     batches, train_size = shard_batches(args)
     model = ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    if start_together is not None:
+        start_together.wait()  # no copy may run alone while another is still loading
     seconds, last_loss = train(model, optimizer, batches, args.epochs)
-    shard_samples = sum(len(y) for _, y in batches) * args.epochs
+    result = (seconds, last_loss, sum(len(y) for _, y in batches), len(batches), train_size)
+    if results is not None:
+        results.put(result)
+    return result
+
+
+def run_copies(args):
+    """--copies processes at once; every copy's result."""
+    ctx = mp.get_context("spawn")
+    start_together, results = ctx.Barrier(args.copies), ctx.Queue()
+    processes = [ctx.Process(target=one_copy, args=(args, c, start_together, results)) for c in range(args.copies)]
+    for p in processes:
+        p.start()
+    done = [results.get() for _ in processes]
+    for p in processes:
+        p.join()
+        if p.exitcode:
+            sys.exit(f"error: a copy exited with status {p.exitcode}")
+    return done
+
+
+def main():
+    args = build_parser().parse_args()
+    prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # once, before any copy reads it
+    copies = run_copies(args) if args.copies > 1 else [one_copy(args, 0)]
+    seconds, last_loss, shard_size, steps, train_size = max(copies)  # the slowest copy
     metrics = {
         "script": "bench/floor.py", "dataset": args.dataset, "world_size": 1, "simulated_world_size": args.world_size,
-        "epochs": args.epochs, "batch_size": args.batch_size, "steps": len(batches) * args.epochs,
-        "threads": torch.get_num_threads(), "train_size": train_size, "train_seconds": seconds,
+        "epochs": args.epochs, "batch_size": args.batch_size, "steps": steps * args.epochs, "copies": args.copies,
+        "copy_seconds": [c[0] for c in copies],
+        "threads": args.threads, "train_size": train_size, "train_seconds": seconds,
         # As a rank of the simulated run would count it: the whole set passes while each rank does its shard.
-        "samples_per_second": train_size * args.epochs / seconds, "shard_samples": shard_samples,
+        "samples_per_second": train_size * args.epochs / seconds, "shard_samples": shard_size * args.epochs,
         "final_train_loss": last_loss,
     }
-    print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s) "
+    at_once = f", {args.copies} copies at once, the slowest" if args.copies > 1 else ""
+    print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s){at_once} "
           f"in {seconds:.2f} s")
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:

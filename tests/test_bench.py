@@ -20,10 +20,10 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     table = (out / "scaling.md").read_text()
     assert "| processes | threads per process | train loop (s) |" in table
     assert f"{N_TRAIN:,} training images" in table and "Reference runs" in table
-    assert table.count("PASS") + table.count("FAIL") == 5  # every target judged
+    assert table.count("PASS") + table.count("FAIL") == 6  # every target judged
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = json.loads((out / "runs.json").read_text())["runs"]
-    assert len(runs) == 8  # 1 and 2 processes, then the reference runs (a)-(g), (b) being the 2-process run
+    assert len(runs) == 9  # 1 and 2 processes, then the reference runs (a)-(h), (b) being the 2-process run
     for run in runs:
         m = run["metrics"]
         assert 0 < m["train_seconds"] < 300 and m["samples_per_second"] > 0, run["config"]
@@ -34,5 +34,7 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     assert len(two["peak_rss_per_rank_mib"]) == 2 and two["metrics"]["world_size"] == 2
     assert two["metrics"]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     gloo = next(r for r in runs if "--allreduce gloo" in r["config"])
+    copies = next(r for r in runs if "--copies 2" in r["config"])["metrics"]
+    assert len(copies["copy_seconds"]) == 2 and copies["train_seconds"] == max(copies["copy_seconds"])
     shared = "shared-memory" if platform.machine() in ("x86_64", "AMD64") else "gloo"  # the script's rule
     assert (two["metrics"]["allreduce"], gloo["metrics"]["allreduce"]) == (shared, "gloo")
