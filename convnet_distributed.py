@@ -5,7 +5,8 @@ Each machine runs this script once. It starts --num-processes worker processes
 (torch.multiprocessing); all workers of all machines join one process group over Gloo.
 Every worker holds a copy of the model, trains on its own shard of each epoch
 (DistributedSampler), and DistributedDataParallel averages the gradients, so the copies
-stay equal (in shared memory when every worker is on one machine, else over Gloo). --batch-size is per process: the global batch is batch size x world size.
+stay equal (in shared memory when every worker is on one machine, else over Gloo).
+--batch-size is per process: the global batch is batch size x world size.
 
 One machine, one process (the baseline, through the distributed code path):
     python convnet_distributed.py --num-machines 1 --num-processes 1 --machine-id 0 --epochs 1 --batch-size 128
@@ -281,9 +282,9 @@ def select_device(local_rank):
 class SharedMemoryAverager:
     """A DDP communication hook for a job whose processes share one machine: each rank copies its
     gradient bucket into shared memory, waits for the others, and sums all copies itself. Gloo
-    would send the same bytes through the loopback TCP stack; on this project's 2-core machine
-    that took 2.6 ms per step for 1.2 MB, and each wait put the process to sleep for milliseconds
-    more, a fifth of a 2-process epoch in all. Register with
+    would send the same bytes through the loopback TCP stack and put each waiting process to
+    sleep; on this project's 2-core machine a 2-process epoch took 4-25% longer that way
+    (bench/results, run (g) against (b)). Register with
     ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)."""
 
     def __init__(self, model, rank, world_size, timeout):
