@@ -75,11 +75,17 @@ def script_env(**extra):
     return env
 
 
+def default_ctrl_c():
+    # A test run started in the background (`pytest &`) ignores SIGINT, and a child would inherit that:
+    # start each script as a terminal would, with Ctrl-C at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(script, *args, env=None, python_flags=(), cwd=None):
     """Start a script as a user would; returns the Popen."""
     cmd = [sys.executable, *python_flags, os.path.join(REPO, script), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or script_env(), cwd=cwd, start_new_session=True)
+                            env=env or script_env(), cwd=cwd, start_new_session=True, preexec_fn=default_ctrl_c)
 
 
 def finish(proc, timeout=120):
