@@ -3,6 +3,7 @@ import copy
 import glob
 import os
 import platform
+import time
 
 import pytest
 import torch
@@ -98,3 +99,31 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
             torch.testing.assert_close(p_ddp, p, rtol=1e-4, atol=1e-6)
         # The equality is the averaging's doing: a rank's own gradient is far from the baseline's.
         assert not torch.allclose(rank["own_grads"][-2], model.fc2.weight.grad, rtol=1e-2, atol=1e-4)
+
+
+def wait_for_a_silent_peer(rank, world_size, port, out):
+    """Rank 0 arrives at a gradient exchange that rank 1 never joins, as average() arrives at it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    averager = convnet_distributed.SharedMemoryAverager(convnet_distributed.ConvNet(), rank, world_size, timeout=1.0)
+    if rank == 0:
+        averager.calls += 1
+        averager.arrived[rank] = averager.calls
+        start = time.monotonic()
+        try:
+            averager.wait_for_all()
+            outcome = "returned"
+        except dist.DistError as e:
+            outcome = str(e)
+        torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(out, "rank0.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the shared-memory exchange needs /dev/shm")
+def test_shared_memory_exchange_gives_up_on_a_silent_peer_after_the_timeout(tmp_path):
+    """The spin-wait is bounded like Gloo's: a rank that never sends its gradients is named after --timeout."""
+    spawn_bounded(wait_for_a_silent_peer, (2, free_port(), str(tmp_path)), nprocs=2)
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result["outcome"] == "no gradients from rank(s) [1]"
+    assert 1.0 <= result["seconds"] < 10
