@@ -315,12 +315,16 @@ class SharedMemoryAverager:
         # Two areas, used in turn: a rank writes an area again only after every rank has arrived at
         # the call in between, so every rank is done reading it.
         area = self.areas[self.calls % 2, :, :grads.numel()]
-        area[self.rank].copy_(grads)
+        # Divide, then sum, as DDP's own all-reduce does. Every rank sums in the same order (rank 0's copy
+        # first), so every rank gets the same bits and the model copies stay equal.
+        torch.div(grads, self.world_size, out=area[self.rank])
         self.calls += 1
         # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
         self.arrived[self.rank] = self.calls
         self.wait_for_all()
-        torch.sum(area, dim=0, out=grads).div_(self.world_size)
+        torch.add(area[0], area[1], out=grads)  # two passes over memory fewer than torch.sum(area, dim=0)
+        for other in area[2:]:
+            grads.add_(other)
         done = torch.futures.Future()
         done.set_result(grads)
         return done
@@ -339,15 +343,19 @@ class SharedMemoryAverager:
 def data_parallel(model, rank, world_size, args):
     """DDP around model. When every process is on this machine, the gradients are averaged in shared
     memory (SharedMemoryAverager) unless --allreduce gloo; across machines, over Gloo."""
-    ddp_model = DistributedDataParallel(model)  # broadcasts rank 0's weights: all copies start equal
     # x86-64 only: the hook relies on its store order (see average), and Linux's /dev/shm.
-    if (args.allreduce == "auto" and world_size > 1 and args.num_machines == 1
-            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")):
+    shared_memory = (args.allreduce == "auto" and world_size > 1 and args.num_machines == 1
+                     and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"))
+    args.allreduce = "shared-memory" if shared_memory else "gloo"
+    # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
+    # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
+    # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
+    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on.
+    ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True,
+                                        bucket_cap_mb=25 if shared_memory else None)
+    if shared_memory:
         ddp_model.register_comm_hook(SharedMemoryAverager(model, rank, world_size, args.timeout),
                                      SharedMemoryAverager.average)
-        args.allreduce = "shared-memory"
-    elif args.allreduce == "auto":
-        args.allreduce = "gloo"
     return ddp_model
 
 
