@@ -8,7 +8,7 @@ Launches the scripts as a user would, one subprocess per run, and writes to --ou
   scaling.png  speed-up against processes (needs matplotlib; skipped, saying so, without it)
   runs.json    every run: command, the script's metrics, peak memory
 
-Run from the repository root, on a quiet machine (15 to 20 minutes on 2 cores with the defaults):
+Run from the repository root, on a quiet machine (about 20 minutes on 2 cores with the defaults):
     mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
     python bench/scaling.py --dataset fashion-mnist --data-dir data
 A quick check of the benchmark itself: point --data-dir at a small data set in the same layout and
@@ -17,8 +17,11 @@ the runs, and warns where that disturbed the timings.
 
 Each configuration runs --repeats times and the tables show medians. The runs are interleaved (every
 configuration once, then every configuration again, ...), so that a disturbance of the machine
-spreads over all configurations instead of landing on one. Peak memory is the largest resident set
-size of each rank over its run (sampled every 0.1 s), and of the launching process.
+spreads over all configurations instead of landing on one; the runs a target compares run next to
+each other, in reverse order every other repeat. A target is judged on the median of its ratio
+taken within each repeat, between runs a minute apart: a host whose speed drifts over the
+benchmark's half hour moves both sides of such a ratio alike. Peak memory is the largest resident
+set size of each rank over its run (sampled every 0.1 s), and of the launching process.
 """
 import argparse
 import datetime
@@ -65,7 +68,7 @@ def scaling_configs(args):
 
 
 def reference_configs():
-    """(label, what it is, config) of the reference table, in the order they are run."""
+    """(label, what it is, config) of the reference table."""
     return [
         ("a", "floor: one rank's work of a 2-process run, bare loop, 1 thread",
          Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1"))),
@@ -82,11 +85,18 @@ def reference_configs():
     ]
 
 
+# Run order of the reference runs: each judged pair (b/a, c/b, d/b, d/f, e/d) one or two runs apart.
+RUN_ORDER = "abcdfehg"
+
+
 def all_configs(args):
-    """Every distinct command, in run order: a command in both tables (2 processes) runs once per repeat."""
-    configs = list(scaling_configs(args).values())
+    """Every distinct command, in run order: the reference runs, then the rest of the scaling table (the
+    2-process run is in both tables and runs once per repeat)."""
+    configs = []
     if not args.skip_reference:
-        configs += [config for _, _, config in reference_configs()]
+        labelled = {label: config for label, _, config in reference_configs()}
+        configs += [labelled[label] for label in RUN_ORDER]
+    configs += list(scaling_configs(args).values())
     return list(dict.fromkeys(configs))
 
 
@@ -155,9 +165,11 @@ def import_rss_mib():
 def measure(args, facts):
     """Every configuration, args.repeats times, interleaved; runs.json is rewritten after each run,
     so an interrupted benchmark keeps what it measured."""
-    configs, records = all_configs(args), []
+    records = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for repeat in range(args.repeats):
+            # Every other repeat backwards: a drift of the host's speed favours neither side of a pair.
+            configs = all_configs(args)[::1 if repeat % 2 == 0 else -1]
             for i, config in enumerate(configs):
                 record = run_once(config, args, repeat, tmp)
                 records.append(record)
@@ -222,24 +234,54 @@ def by_label(summaries):
     return {label: summaries[config.key] for label, _, config in reference_configs()}
 
 
-def targets(summaries):
-    """(check, measured, target, passed) for each target of the reference table."""
-    t = by_label(summaries)
-    sec = {label: s["train_seconds"] for label, s in t.items()}
-    accuracy_gap = 100 * (t["f"]["test_accuracy"] - t["d"]["test_accuracy"])
-    return [
-        ("(b) / (a): 2 processes against the floor", sec["b"] / sec["a"], "≤ 1.15", sec["b"] / sec["a"] <= 1.15),
-        ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", sec["h"] / sec["a"],
-         "–", None),
-        ("(b) / (h): 2 processes against two floors at once (the scripts' share)", sec["b"] / sec["h"], "–", None),
-        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", sec["c"] / sec["b"], "≥ 1.8",
-         sec["c"] / sec["b"] >= 1.8),
-        ("(d) / (b): speed-up of 2 processes over the baseline", sec["d"] / sec["b"], "> 1", sec["d"] / sec["b"] > 1),
-        ("(e) / (d): torchvision's data path against the baseline's", sec["e"] / sec["d"], "≥ 1.3",
-         sec["e"] / sec["d"] >= 1.3),
-        ("(d) / (f): speed-up of bfloat16 autocast", sec["d"] / sec["f"], "≥ 1.4", sec["d"] / sec["f"] >= 1.4),
-        ("(f) − (d): test accuracy, points", accuracy_gap, "within ±0.5", abs(accuracy_gap) <= 0.5),
+def train_seconds(record):
+    return record["metrics"]["train_seconds"]
+
+
+def rank_peak_mib(record):
+    return max(record["peak_rss_per_rank_mib"])
+
+
+def accuracy_points(record):
+    return 100 * record["metrics"]["test_accuracy"]
+
+
+def compare(records, x, y, get, combine):
+    """combine(get(x's run), get(y's run)) for each repeat that has both runs, a comparison between runs a
+    minute apart; and combine() of the two medians over all repeats, for reference."""
+    labelled = {config.key: label for label, _, config in reference_configs()}
+    runs = {}
+    for record in records:
+        runs.setdefault(record["repeat"], {})[labelled.get(record["config"])] = record
+    paired = [combine(get(r[x]), get(r[y])) for _, r in sorted(runs.items()) if x in r and y in r]
+    medians = [statistics.median(get(r[label]) for r in runs.values() if label in r) for label in (x, y)]
+    return paired, combine(*medians)
+
+
+def targets(records):
+    """(check, values per repeat, their median, the value from the medians, target, passed) for each row of
+    the check table; passed is None for a measurement that has no target."""
+    def ratio(x, y, get=train_seconds):
+        return compare(records, x, y, get, lambda u, v: u / v)
+
+    rows = [
+        ("(b) / (a): 2 processes against the floor", ratio("b", "a"), "≤ 1.15", lambda m: m <= 1.15),
+        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", ratio("c", "b"), "≥ 1.8",
+         lambda m: m >= 1.8),
+        ("(d) / (b): speed-up of 2 processes over the baseline", ratio("d", "b"), "> 1", lambda m: m > 1),
+        ("(e) / (d): torchvision's data path against the baseline's", ratio("e", "d"), "≥ 1.3", lambda m: m >= 1.3),
+        ("(d) / (f): speed-up of bfloat16 autocast", ratio("d", "f"), "≥ 1.4", lambda m: m >= 1.4),
+        ("(f) − (d): test accuracy under bfloat16 autocast, points",
+         compare(records, "f", "d", accuracy_points, lambda u, v: u - v), "within ±0.5", lambda m: abs(m) <= 0.5),
+        ("(b) / (e): peak RSS of a rank against torchvision's data path", ratio("b", "e", rank_peak_mib), "≤ 1",
+         lambda m: m <= 1),
+        ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", ratio("h", "a"), "–", None),
+        ("(b) / (h): 2 processes against two floors at once (the scripts' share)", ratio("b", "h"), "–", None),
+        ("(g) / (b): gradients over Gloo against shared memory", ratio("g", "b"), "–", None),
     ]
+    return [(check, paired, statistics.median(paired), from_medians, target,
+             judge(statistics.median(paired)) if judge else None)
+            for check, (paired, from_medians), target, judge in rows]
 
 
 # --- reporting ----------------------------------------------------------------------------------
@@ -340,7 +382,7 @@ def scaling_table(args, rows, facts):
     return lines
 
 
-def reference_table(summaries):
+def reference_table(records, summaries):
     d_seconds = by_label(summaries)["d"]["train_seconds"]
     lines = [
         "## Reference runs, side by side",
@@ -353,10 +395,14 @@ def reference_table(summaries):
         accuracy = "–" if s["test_accuracy"] is None else f"{100 * s['test_accuracy']:.2f}%"
         lines.append(f"| ({label}) | {what} | `{config.key}` | {s['threads']} | {s['train_seconds']:.2f} "
                      f"| {s['train_seconds'] / d_seconds:.2f} | {accuracy} | {s['peak_rss_rank_mib']:.0f} |")
-    lines += ["", "| check | measured | target | result |", "|---|---:|---|---|"]
-    for check, value, target, passed in targets(summaries):
+    lines += ["", "Each check is taken within each repeat, between runs a minute apart, and the median of those is "
+                  "judged; the value from the medians of the table above is shown for reference.",
+              "", "| check | per repeat | median (judged) | from the medians | target | result |",
+              "|---|---|---:|---:|---|---|"]
+    for check, values, median, from_medians, target, passed in targets(records):
         result = "–" if passed is None else "PASS" if passed else "FAIL"  # None: a measurement, not a target
-        lines.append(f"| {check} | {value:.2f} | {target} | {result} |")
+        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.2f} | {from_medians:.2f} "
+                     f"| {target} | {result} |")
     return lines
 
 
@@ -365,7 +411,7 @@ def write_markdown(path, args, facts, records, rows, summaries):
     lines = ["# Scaling of the CPU data-parallel script", "", *header(args, facts, records, train_size), "",
              *scaling_table(args, rows, facts)]
     if not args.skip_reference:
-        lines += ["", *reference_table(summaries)]
+        lines += ["", *reference_table(records, summaries)]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -431,7 +477,7 @@ def build_parser():
                    help="process counts of the scaling table (default: 1,2,4,8)")
     p.add_argument("--global-batch", type=positive_int, default=128, metavar="N",
                    help="global batch of the scaling table; each of P processes gets N/P (default: 128)")
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
                    help="runs of each configuration; the tables show medians (default: 3)")
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"), metavar="DIR",

@@ -20,7 +20,7 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     table = (out / "scaling.md").read_text()
     assert "| processes | threads per process | train loop (s) |" in table
     assert f"{N_TRAIN:,} training images" in table and "Reference runs" in table
-    assert table.count("PASS") + table.count("FAIL") == 6  # every target judged
+    assert table.count("PASS") + table.count("FAIL") == 7  # every target judged
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = json.loads((out / "runs.json").read_text())["runs"]
     assert len(runs) == 9  # 1 and 2 processes, then the reference runs (a)-(h), (b) being the 2-process run
