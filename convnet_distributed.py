@@ -25,7 +25,6 @@ import fcntl
 import gzip
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets
 
 BACKEND = "gloo"
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
@@ -82,13 +82,11 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# --dataset: torchvision's name for it (its class downloads the files), and the mean and std of its
-# training pixels scaled to [0, 1].
+# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
-    "mnist": ("MNIST", 0.1302, 0.3069),
-    "fashion-mnist": ("FashionMNIST", 0.2860, 0.3530),
+    "mnist": (datasets.MNIST, 0.1302, 0.3069),
+    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
 }
-FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
 
 
 def keep_freed_memory():
@@ -104,7 +102,7 @@ def keep_freed_memory():
 
 
 def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0], "raw")
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
 def unpack(path):
@@ -123,54 +121,33 @@ def unpack(path):
 def prepare_data(args):
     """Make the four files readable: unpack .gz files placed by hand, else download them."""
     folder = raw_folder(args)
-    for name in FILES:
+    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
+    for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
             unpack(path)
-    if all(os.path.isfile(os.path.join(folder, name)) for name in FILES):
+    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
-        from torchvision import datasets  # here, not at the top: only a download needs it (see load_data)
-        getattr(datasets, DATASETS[args.dataset][0])(args.data_dir, download=True)
+        DATASETS[args.dataset][0](args.data_dir, download=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         sys.exit(f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-                 f"put the four files {', '.join(FILES)} there (gzipped or not) and run again")
+                 f"put the four files {', '.join(names)} there (gzipped or not) and run again")
     finally:
         socket.setdefaulttimeout(None)
 
 
-def read_idx(path):
-    """One file of MNIST's idx format as a uint8 tensor: two zero bytes, 0x08 (unsigned bytes), the number
-    of dimensions, each size as a big-endian 32-bit integer, then the data."""
-    data = torch.empty(os.path.getsize(path), dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.readinto(data.numpy())
-    header = bytes(data[:4].numpy())
-    if header[:3] != b"\x00\x00\x08" or header[3] not in (1, 3):
-        raise ValueError(f"{os.path.basename(path)} does not start as an idx file of bytes")
-    start = 4 + 4 * header[3]
-    shape = struct.unpack(f">{header[3]}I", bytes(data[4:start].numpy()))
-    if len(data) != start + math.prod(shape):
-        raise ValueError(f"{os.path.basename(path)} holds {len(data) - start} bytes of data, not {math.prod(shape)}")
-    return data[start:].view(shape)
-
-
 def load_data(args):
-    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them.
-    Read here rather than by torchvision's dataset classes: importing torchvision adds about 170 MiB
-    to the memory of every process that does."""
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    cls = DATASETS[args.dataset][0]
     try:
-        train_images, train_labels, test_images, test_labels = (
-            read_idx(os.path.join(raw_folder(args), name)) for name in FILES)
-        if not (train_images.shape[1:] == test_images.shape[1:] == (28, 28)
-                and len(train_images) == len(train_labels) and len(test_images) == len(test_labels)):
-            raise ValueError("the images are not 28x28, or their number differs from the labels'")
-    except (OSError, ValueError, RuntimeError) as e:
+        train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
+    except Exception as e:
         sys.exit(f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
                  "a file there is damaged: replace it")
-    return train_images, train_labels.long(), test_images, test_labels.long()
+    return train.data, train.targets, test.data, test.targets
 
 
 def to_input(images, dataset):

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import transforms  # noqa: E402
 from convnet_undistributed import DATASETS, ConvNet, default_threads, prepare_data  # noqa: E402
 
 
@@ -47,8 +47,7 @@ def build_parser():
 
 
 def datasets_for(args):
-    name, mean, std = DATASETS[args.dataset]
-    cls = getattr(datasets, name)
+    cls, mean, std = DATASETS[args.dataset]
     prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # unpacks .gz files placed by hand
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
     return (cls(args.data_dir, train=True, transform=transform),

@@ -2,17 +2,11 @@
 import http.server
 import os
 import shutil
-import subprocess
-import sys
 import threading
-from types import SimpleNamespace
 
 import pytest
-import torch
-from torchvision import datasets
 
-import convnet_distributed
-from conftest import FILES, N_TEST, N_TRAIN, REPO, SCRIPTS, free_port, read_json, run_script, script_env, write_dataset
+from conftest import FILES, N_TEST, free_port, read_json, run_script, script_env, write_dataset
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 
@@ -112,26 +106,3 @@ def test_damaged_gzip_file_is_a_clear_error_and_leaves_nothing_half_written(tmp_
     assert "cannot unpack" in result.stderr and str(gz) in result.stderr
     assert not (raw / "t10k-images-idx3-ubyte").exists()
     assert not [p for p in os.listdir(raw) if ".part" in p]
-
-
-@pytest.mark.parametrize("dataset", ["mnist", "fashion-mnist"])
-def test_the_scripts_read_the_files_as_torchvision_does(tmp_path, dataset):
-    """load_data parses the idx files itself: the same tensors as torchvision's dataset classes."""
-    folder = convnet_distributed.DATASETS[dataset][0]
-    write_dataset(str(tmp_path), folder=folder)
-    got = convnet_distributed.load_data(SimpleNamespace(dataset=dataset, data_dir=str(tmp_path)))
-    train, test = (getattr(datasets, folder)(str(tmp_path), train=split) for split in (True, False))
-    expected = (train.data, train.targets, test.data, test.targets)
-    for g, e in zip(got, expected):
-        assert g.dtype == e.dtype and torch.equal(g, e)
-    assert got[0].shape == (N_TRAIN, 28, 28) and got[3].shape == (N_TEST,)
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_the_scripts_do_not_import_torchvision(script):
-    """Importing torchvision adds about 170 MiB to every process: only a download imports it."""
-    module = os.path.splitext(script)[0]
-    code = f"import sys; import {module}; print('torchvision' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"

@@ -14,7 +14,7 @@ import convnet_undistributed
 
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
-SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "read_idx", "load_data", "to_input", "read_checkpoint",
+SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
                "positive_int", "positive_float", "keep_freed_memory"]
 SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
                        "default_threads", "open_store", "join_group", "last_line", "interface_addresses",
@@ -36,7 +36,6 @@ def test_shared_code_is_the_same_in_both_distributed_scripts(name):
 def test_constants_are_the_same():
     for m in MODULES:
         assert m.DATASETS == convnet_undistributed.DATASETS
-        assert m.FILES == convnet_undistributed.FILES
         assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
 
 
