@@ -291,7 +291,7 @@ class SharedMemoryAverager:
     """A DDP communication hook for a job whose processes share one machine: each rank copies its
     gradient bucket into shared memory, waits for the others, and sums all copies itself. Gloo
     would send the same bytes through the loopback TCP stack and put each waiting process to
-    sleep; on this project's 2-core machine a 2-process epoch took 4-25% longer that way
+    sleep; on this project's 2-core machine a 2-process epoch took 16-29% longer that way
     (bench/results, run (g) against (b)). Register with
     ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)."""
 
