@@ -8,7 +8,7 @@ Launches the scripts as a user would, one subprocess per run, and writes to --ou
   scaling.png  speed-up against processes (needs matplotlib; skipped, saying so, without it)
   runs.json    every run: command, the script's metrics, peak memory
 
-Run from the repository root, on a quiet machine (about 20 minutes on 2 cores with the defaults):
+Run from the repository root, on a quiet machine (about 25 minutes on 2 cores with the defaults):
     mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
     python bench/scaling.py --dataset fashion-mnist --data-dir data
 A quick check of the benchmark itself: point --data-dir at a small data set in the same layout and
@@ -478,7 +478,7 @@ def build_parser():
     p.add_argument("--global-batch", type=positive_int, default=128, metavar="N",
                    help="global batch of the scaling table; each of P processes gets N/P (default: 128)")
     p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
-                   help="runs of each configuration; the tables show medians (default: 3)")
+                   help="runs of each configuration; the tables show medians (default: 5)")
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"), metavar="DIR",
                    help="where scaling.md, scaling.png and runs.json go (default: bench/results)")

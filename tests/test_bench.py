@@ -9,6 +9,9 @@ import pytest
 
 from conftest import N_TRAIN, REPO, script_env
 
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import scaling  # noqa: E402
+
 
 @pytest.mark.timeout(900)
 def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
@@ -38,3 +41,30 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     assert len(copies["copy_seconds"]) == 2 and copies["train_seconds"] == max(copies["copy_seconds"])
     shared = "shared-memory" if platform.machine() in ("x86_64", "AMD64") else "gloo"  # the script's rule
     assert (two["metrics"]["allreduce"], gloo["metrics"]["allreduce"]) == (shared, "gloo")
+
+
+def test_targets_are_judged_within_each_repeat():
+    """A slow second repeat moves both runs of a pair: the judged ratio stays that of its own repeat."""
+    keys = {label: config.key for label, _, config in scaling.reference_configs()}
+    records = []
+    for repeat, slow in enumerate([1.0, 1.5, 1.0]):
+        for label, seconds in {"a": 10, "b": 11, "c": 20, "d": 12, "e": 25, "f": 8, "g": 13, "h": 10.5}.items():
+            extra = 3 if (repeat, label) == (2, "b") else 0  # one disturbed run
+            records.append({"config": keys[label], "repeat": repeat, "peak_rss_per_rank_mib": [900, 950],
+                            "metrics": {"train_seconds": seconds * slow + extra, "test_accuracy": 0.86}})
+    rows = {check.split(":")[0]: rest for check, *rest in scaling.targets(records)}
+    values, median, from_medians, target, passed = rows["(b) / (a)"]
+    assert values == pytest.approx([1.1, 1.1, 1.4]) and median == pytest.approx(1.1) and passed
+    assert from_medians == pytest.approx(14 / 10)  # medians of b (11, 16.5, 14) and a (10, 15, 10)
+    assert rows["(d) / (f)"][1] == pytest.approx(1.5) and rows["(d) / (f)"][4]
+    assert rows["(f) − (d)"][1] == 0 and rows["(f) − (d)"][4]
+    assert rows["(b) / (e)"][1] == pytest.approx(1.0) and rows["(b) / (e)"][4]  # a rank's largest peak
+    assert rows["(h) / (a)"][4] is None  # a measurement, not a target
+
+
+def test_the_runs_of_each_judged_pair_run_next_to_each_other():
+    args = scaling.parse_args(["--processes", "1,2,4"])
+    order = [config.key for config in scaling.all_configs(args)]
+    labels = {config.key: label for label, _, config in scaling.reference_configs()}
+    assert [labels.get(key) for key in order[:8]] == list("abcdfehg")
+    assert len(order) == len(set(order)) == 10  # the 2-process run is (b), once
