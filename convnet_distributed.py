@@ -55,6 +55,9 @@ from torchvision import datasets
 
 BACKEND = "gloo"
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
+# Test images per forward pass. On a CPU, 128 evaluates about twice as fast as 1000 (its activations stay
+# in cache), and they take 20 MB, not the 150 MB that made evaluation the peak of a run's memory.
+TEST_BATCH_SIZE = 128
 
 
 class ConvNet(nn.Module):
@@ -102,6 +105,15 @@ def keep_freed_memory():
         return  # not glibc: its allocator keeps its own counsel
     libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+
+
+def release_freed_memory():
+    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
+    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing was kept
 
 
 def raw_folder(args):
@@ -189,7 +201,7 @@ def evaluate(model, images, labels, rank, world_size, args):
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
     with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
-        for idx in torch.arange(rank, len(labels), world_size, device=images.device).split(1000):
+        for idx in torch.arange(rank, len(labels), world_size, device=images.device).split(TEST_BATCH_SIZE):
             output, y = model(to_input(images[idx], args.dataset)), labels[idx]
             totals[0] += F.nll_loss(output, y, reduction="sum")
             totals[1] += (output.argmax(1) == y).sum()
@@ -380,6 +392,7 @@ def train(model, optimizer, data, rank, world_size, args):
         train_seconds += time.perf_counter() - start
         dist.all_reduce(train_loss)
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+        release_freed_memory()
         print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy "
                f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)")
         history.append({"epoch": epoch, "train_loss": train_loss.item() / world_size,

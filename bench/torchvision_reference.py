@@ -5,7 +5,7 @@ is the article's GPU path: pinned host batches copied to the GPU with non_blocki
 
 bench/scaling.py times it next to convnet_undistributed.py, which slices and normalises whole
 batches of one uint8 tensor instead, to show what that data path saves. Same model, optimizer,
-learning rate, batch and threads; the timed loop is the training alone, as in the scripts.
+learning rate, batch, test batch and threads; the timed loop is the training alone, as in the scripts.
 
     python bench/torchvision_reference.py --dataset fashion-mnist --data-dir data --metrics-json ref.json
     python bench/torchvision_reference.py --dataset fashion-mnist --data-dir data --device cuda
@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
-from convnet_undistributed import DATASETS, ConvNet, default_threads, prepare_data  # noqa: E402
+from convnet_undistributed import DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads, prepare_data  # noqa: E402
 
 
 def build_parser():
@@ -90,7 +90,7 @@ def main():
         start = time.perf_counter()
         last_loss = train_epoch(model, optimizer, train_loader, device)  # .item() waits for the GPU to finish
         train_seconds += time.perf_counter() - start
-    accuracy, test_count = evaluate(model, DataLoader(test_set, batch_size=1000), device)
+    accuracy, test_count = evaluate(model, DataLoader(test_set, batch_size=TEST_BATCH_SIZE), device)
     metrics = {
         "script": "bench/torchvision_reference.py", "dataset": args.dataset, "world_size": 1, "device": str(device),
         "epochs": args.epochs, "batch_size": args.batch_size, "threads": torch.get_num_threads(),

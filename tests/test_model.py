@@ -16,7 +16,7 @@ import convnet_undistributed
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
 SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
-               "positive_int", "positive_float", "keep_freed_memory"]
+               "positive_int", "positive_float", "keep_freed_memory", "release_freed_memory"]
 SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
                        "default_threads", "open_store", "join_group", "last_line", "interface_addresses",
                        "choose_gloo_interface", "spawned_worker", "run_workers", "parse_args"]
@@ -38,6 +38,7 @@ def test_constants_are_the_same():
     for m in MODULES:
         assert m.DATASETS == convnet_undistributed.DATASETS
         assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
+    assert convnet_undistributed.TEST_BATCH_SIZE == convnet_distributed.TEST_BATCH_SIZE  # the CPU scripts'
 
 
 def test_the_three_convnets_compute_the_same_function():

@@ -1,5 +1,6 @@
 """End to end: the scripts launched as a user launches them, on the small generated data set."""
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -149,3 +150,22 @@ def test_dynamo_is_imported_before_any_process_group(script):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's allocator")
+def test_freed_memory_is_kept_for_the_next_step_and_released_after_evaluation():
+    """keep_freed_memory keeps freed blocks (each step reuses them); release_freed_memory hands them back."""
+    code = """if True:
+        import convnet_undistributed as c, torch
+        rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+        c.keep_freed_memory()
+        before = rss()
+        blocks = [torch.ones(2 << 20) for _ in range(16)]  # 16 x 8 MiB: below the 32 MiB that goes to mmap
+        del blocks
+        kept = rss()
+        c.release_freed_memory()
+        print(before, kept, rss())"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, kept, released = map(int, done.stdout.split())
+    assert kept > before + 100 and released < kept - 100, (before, kept, released)
