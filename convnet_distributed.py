@@ -116,6 +116,16 @@ def release_freed_memory():
         pass  # not glibc: nothing was kept
 
 
+def peak_memory_mib():
+    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+
+
 def raw_folder(args):
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
@@ -209,6 +219,14 @@ def evaluate(model, images, labels, rank, world_size, args):
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
+
+
+def peak_memory_per_rank(device):
+    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
+    mine = torch.tensor([peak_memory_mib() or 0.0], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.item() for t in everyone]
 
 
 def print0(message):
@@ -403,6 +421,7 @@ def train(model, optimizer, data, rank, world_size, args):
         print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
     samples = len(history) * len(train_labels)
+    peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
     metrics = {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
         "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
@@ -412,7 +431,7 @@ def train(model, optimizer, data, rank, world_size, args):
         "samples_per_second": samples / train_seconds if train_seconds else None,
         "final_train_loss": history[-1]["train_loss"] if history else None,
         "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "history": history,
+        "peak_rss_mib_per_rank": peaks, "history": history,
     }
     print0(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
            f"launch to end {metrics['total_seconds']:.2f} s")

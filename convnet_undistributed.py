@@ -86,6 +86,16 @@ def release_freed_memory():
         pass  # not glibc: nothing was kept
 
 
+def peak_memory_mib():
+    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+
+
 def raw_folder(args):
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
@@ -268,7 +278,7 @@ def train(model, optimizer, data, args):
         "samples_per_second": samples / train_seconds if train_seconds else None,
         "final_train_loss": history[-1]["train_loss"] if history else None,
         "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "history": history,
+        "peak_rss_mib": peak_memory_mib(), "history": history,
     }
     print(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
           f"launch to end {metrics['total_seconds']:.2f} s")

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
-from convnet_undistributed import ConvNet, keep_freed_memory, load_data, prepare_data, to_input  # noqa: E402
+from convnet_undistributed import (ConvNet, keep_freed_memory, load_data, peak_memory_mib, prepare_data,  # noqa: E402
+                                   to_input)
 
 
 def build_parser():
@@ -74,7 +75,7 @@ def train(model, optimizer, batches, epochs):
 
 
 def one_copy(args, copy, start_together=None, results=None):
-    """Load, build, then the timed loop; (seconds, last loss, shard images, steps, training set size)."""
+    """Load, build, then the timed loop; (seconds, last loss, shard images, steps, training set size, peak MiB)."""
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the scripts do: the floor gets every advantage they get
     torch.manual_seed(args.seed + copy)
@@ -84,7 +85,7 @@ def one_copy(args, copy, start_together=None, results=None):
     if start_together is not None:
         start_together.wait()  # no copy may run alone while another is still loading
     seconds, last_loss = train(model, optimizer, batches, args.epochs)
-    result = (seconds, last_loss, sum(len(y) for _, y in batches), len(batches), train_size)
+    result = (seconds, last_loss, sum(len(y) for _, y in batches), len(batches), train_size, peak_memory_mib())
     if results is not None:
         results.put(result)
     return result
@@ -109,7 +110,7 @@ def main():
     args = build_parser().parse_args()
     prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # once, before any copy reads it
     copies = run_copies(args) if args.copies > 1 else [one_copy(args, 0)]
-    seconds, last_loss, shard_size, steps, train_size = max(copies)  # the slowest copy
+    seconds, last_loss, shard_size, steps, train_size, _ = max(copies)  # the slowest copy
     metrics = {
         "script": "bench/floor.py", "dataset": args.dataset, "world_size": 1, "simulated_world_size": args.world_size,
         "epochs": args.epochs, "batch_size": args.batch_size, "steps": steps * args.epochs, "copies": args.copies,
@@ -117,7 +118,7 @@ def main():
         "threads": args.threads, "train_size": train_size, "train_seconds": seconds,
         # As a rank of the simulated run would count it: the whole set passes while each rank does its shard.
         "samples_per_second": train_size * args.epochs / seconds, "shard_samples": shard_size * args.epochs,
-        "final_train_loss": last_loss,
+        "final_train_loss": last_loss, "peak_rss_mib": max(c[5] for c in copies),
     }
     at_once = f", {args.copies} copies at once, the slowest" if args.copies > 1 else ""
     print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s){at_once} "

@@ -25,7 +25,8 @@ import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
-from convnet_undistributed import DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads, prepare_data  # noqa: E402
+from convnet_undistributed import (DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads, peak_memory_mib,  # noqa: E402
+                                   prepare_data)
 
 
 def build_parser():
@@ -96,6 +97,7 @@ def main():
         "epochs": args.epochs, "batch_size": args.batch_size, "threads": torch.get_num_threads(),
         "train_seconds": train_seconds, "samples_per_second": len(train_set) * args.epochs / train_seconds,
         "final_train_loss": last_loss, "test_accuracy": accuracy, "test_samples": test_count,
+        "peak_rss_mib": peak_memory_mib(),
     }
     print(f"torchvision reference: train loop {train_seconds:.2f} s, test accuracy {100 * accuracy:.2f}%")
     if args.metrics_json:

@@ -16,10 +16,10 @@ import convnet_undistributed
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
 SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
-               "positive_int", "positive_float", "keep_freed_memory", "release_freed_memory"]
+               "positive_int", "positive_float", "keep_freed_memory", "release_freed_memory", "peak_memory_mib"]
 SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
                        "default_threads", "open_store", "join_group", "last_line", "interface_addresses",
-                       "choose_gloo_interface", "spawned_worker", "run_workers", "parse_args"]
+                       "choose_gloo_interface", "spawned_worker", "run_workers", "parse_args", "peak_memory_per_rank"]
 
 
 @pytest.mark.parametrize("name", SAME_IN_ALL)

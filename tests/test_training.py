@@ -37,6 +37,9 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
     assert 0 < m["train_seconds"] < m["total_seconds"]
     assert m["samples_per_second"] == pytest.approx(epochs * N_TRAIN / m["train_seconds"])
     assert 0 <= m["test_accuracy"] <= 1
+    # Every rank's peak memory while it worked: more than torch alone takes, less than this machine has.
+    peaks = m.get("peak_rss_mib_per_rank", [m.get("peak_rss_mib")])
+    assert len(peaks) == world_size and all(200 < p < psutil.virtual_memory().total / 2 ** 20 for p in peaks), peaks
     first_loss = float(progress[0][5])
     assert first_loss > 2.0 and m["final_train_loss"] < first_loss  # started at chance, and learnt
     return m
