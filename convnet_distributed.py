@@ -223,7 +223,7 @@ def evaluate(model, images, labels, rank, world_size, args):
 
 def peak_memory_per_rank(device):
     """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
-    mine = torch.tensor([peak_memory_mib() or 0.0], dtype=torch.float64, device=device)
+    mine = torch.tensor([peak_memory_mib()], dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [t.item() for t in everyone]

@@ -50,7 +50,7 @@ def tail(f):
 
 def run_monitored(argv, timeout, cwd=None, env=None):
     """Run argv to the end (or kill its whole process group after timeout seconds); its peak memory."""
-    # Output goes to files, not pipes: nobody reads a pipe while we sample, and a full pipe would block the run.
+    # Output goes to files, not pipes: nobody reads a pipe while we wait, and a full pipe would block the run.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         # CPU used by others during the run tells whether the machine was quiet enough to trust the timing.
         start, busy_before, own_before = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds()
