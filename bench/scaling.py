@@ -20,7 +20,14 @@ configuration once, then every configuration again, ...), so that a disturbance 
 spreads over all configurations instead of landing on one; the runs a target compares run next to
 each other, in reverse order every other repeat. A target is judged on the median of its ratio
 taken within each repeat, between runs a minute apart: a host whose speed drifts over the
-benchmark's half hour moves both sides of such a ratio alike.
+benchmark's half hour moves both sides of such a ratio alike. Beside the median stands an interval
+that holds the median this machine would give with at least 90% probability (order statistics: no
+assumption about how the repeats are distributed; 5 repeats or more). Where it reaches across the
+target, the verdict says "inside the noise": a rerun could well give the other answer, and only
+more repeats or a quieter machine can settle it.
+
+Earlier runs can be reported again, or pooled into one report with more repeats, without measuring:
+    python bench/scaling.py --from-runs first/runs.json second/runs.json --out-dir pooled
 
 Memory, two figures, both exact: a rank's peak resident set size while it works, which each script
 reads from the kernel (getrusage) once its last epoch is done and writes to its metrics; and the
@@ -32,6 +39,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import socket
@@ -269,32 +277,75 @@ def compare(records, x, y, get, combine):
     return paired, combine(*medians)
 
 
+# The probability with which a check's interval (median_interval) holds the median the host would give.
+CONFIDENCE = 0.90
+
+
+def median_interval(values, confidence=CONFIDENCE):
+    """Where the median of the population the values were drawn from lies, with at least the given
+    probability, assuming nothing of its shape: the k-th smallest to the k-th largest value, k as large as
+    the binomial distribution of the values below the median allows (5 values: the smallest to the
+    largest, 94%; 10: the second smallest to the second largest, 98%). None for fewer than 5 values at 90%."""
+    ordered, n, interval = sorted(values), len(values), None
+    for k in range(1, n // 2 + 1):
+        outside = 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n  # k or more values on either side
+        if 1 - outside < confidence:
+            break
+        interval = (ordered[k - 1], ordered[n - k])
+    return interval
+
+
+@dataclass(frozen=True)
+class Target:
+    """The values a check passes with: one interval, unbounded at an end left out, open at low where strict."""
+    text: str
+    low: float = -math.inf
+    high: float = math.inf
+    strict: bool = False
+
+    def accepts(self, value):
+        return (value > self.low if self.strict else value >= self.low) and value <= self.high
+
+    def verdict(self, median, interval):
+        """PASS or FAIL by the median; "inside the noise" where the median's interval reaches across the
+        target, so that another run on the same machine could well give the other answer."""
+        word = "PASS" if self.accepts(median) else "FAIL"
+        if interval is None:
+            return f"{word}, too few repeats to tell from noise"
+        low, high = interval
+        passes = self.accepts(low) and self.accepts(high)  # the accepted values are one interval
+        fails = high < self.low or (high == self.low and self.strict) or low > self.high
+        return word if passes or fails else f"{word}, inside the noise"
+
+
 def targets(records):
-    """(check, values per repeat, their median, the value from the medians, target, passed) for each row of
-    the check table; passed is None for a measurement that has no target."""
+    """(check, values per repeat, their median, the median's interval, the value from the medians, target,
+    verdict) for each row of the check table; target and verdict are None for a measurement."""
     def ratio(x, y, get=train_seconds):
         return compare(records, x, y, get, lambda u, v: u / v)
 
     rows = [
-        ("(b) / (a): 2 processes against the floor", ratio("b", "a"), "≤ 1.15", lambda m: m <= 1.15),
-        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", ratio("c", "b"), "≥ 1.8",
-         lambda m: m >= 1.8),
-        ("(d) / (b): speed-up of 2 processes over the baseline", ratio("d", "b"), "> 1", lambda m: m > 1),
-        ("(e) / (d): torchvision's data path against the baseline's", ratio("e", "d"), "≥ 1.3", lambda m: m >= 1.3),
-        ("(d) / (f): speed-up of bfloat16 autocast", ratio("d", "f"), "≥ 1.4", lambda m: m >= 1.4),
+        ("(b) / (a): 2 processes against the floor", ratio("b", "a"), Target("≤ 1.15", high=1.15)),
+        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", ratio("c", "b"), Target("≥ 1.8", low=1.8)),
+        ("(d) / (b): speed-up of 2 processes over the baseline", ratio("d", "b"), Target("> 1", low=1, strict=True)),
+        ("(e) / (d): torchvision's data path against the baseline's", ratio("e", "d"), Target("≥ 1.3", low=1.3)),
+        ("(d) / (f): speed-up of bfloat16 autocast", ratio("d", "f"), Target("≥ 1.4", low=1.4)),
         ("(f) − (d): test accuracy under bfloat16 autocast, points",
-         compare(records, "f", "d", accuracy_points, lambda u, v: u - v), "within ±0.5", lambda m: abs(m) <= 0.5),
-        ("(b) / (e): peak RSS of a rank against torchvision's data path", ratio("b", "e", rank_peak_mib), "≤ 1",
-         lambda m: m <= 1),
+         compare(records, "f", "d", accuracy_points, lambda u, v: u - v), Target("within ±0.5", low=-0.5, high=0.5)),
+        ("(b) / (e): peak RSS of a rank against torchvision's data path", ratio("b", "e", rank_peak_mib),
+         Target("≤ 1", high=1)),
         ("(b) / (e), exit included: the same for the whole run's largest process", ratio("b", "e", run_peak_mib),
-         "–", None),
-        ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", ratio("h", "a"), "–", None),
-        ("(b) / (h): 2 processes against two floors at once (the scripts' share)", ratio("b", "h"), "–", None),
-        ("(g) / (b): gradients over Gloo against shared memory", ratio("g", "b"), "–", None),
+         None),
+        ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", ratio("h", "a"), None),
+        ("(b) / (h): 2 processes against two floors at once (the scripts' share)", ratio("b", "h"), None),
+        ("(g) / (b): gradients over Gloo against shared memory", ratio("g", "b"), None),
     ]
-    return [(check, paired, statistics.median(paired), from_medians, target,
-             judge(statistics.median(paired)) if judge else None)
-            for check, (paired, from_medians), target, judge in rows]
+    judged = []
+    for check, (paired, from_medians), target in rows:
+        median, interval = statistics.median(paired), median_interval(paired)
+        judged.append((check, paired, median, interval, from_medians, target and target.text,
+                       target and target.verdict(median, interval)))
+    return judged
 
 
 # --- reporting ----------------------------------------------------------------------------------
@@ -362,7 +413,8 @@ def header(args, facts, records, train_size):
         f"commit {facts['commit']}; {facts['date']}.",
         "",
         f"Data: {args.dataset}, {train_size:,} training images, {args.epochs} epoch(s); "
-        f"median of {args.repeats} run(s) per row, the runs interleaved.",
+        f"median of {args.repeats} run(s) per row, the runs interleaved"
+        + (f"; the repeats of {len(args.from_runs)} benchmarks, pooled." if len(args.from_runs or ()) > 1 else "."),
         "",
         quietness(records, facts["usable_cores"]),
     ]
@@ -412,13 +464,16 @@ def reference_table(records, summaries):
                      f"| {s['train_seconds'] / d_seconds:.2f} | {accuracy} | {s['peak_rss_rank_mib']:.0f} "
                      f"| {s['peak_rss_run_mib']:.0f} |")
     lines += ["", "Each check is taken within each repeat, between runs a minute apart, and the median of those is "
-                  "judged; the value from the medians of the table above is shown for reference.",
-              "", "| check | per repeat | median (judged) | from the medians | target | result |",
-              "|---|---|---:|---:|---|---|"]
-    for check, values, median, from_medians, target, passed in targets(records):
-        result = "–" if passed is None else "PASS" if passed else "FAIL"  # None: a measurement, not a target
-        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.2f} | {from_medians:.2f} "
-                     f"| {target} | {result} |")
+                  f"judged. The interval holds the median this machine would give with at least {CONFIDENCE:.0%} "
+                  "probability (the order statistics of the repeats, whatever their distribution); where it reaches "
+                  "across the target, the result is marked inside the noise: a rerun could well give the other "
+                  "answer. The value from the medians of the table above is shown for reference.",
+              "", f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval | from the medians | target | result |",
+              "|---|---|---:|---:|---:|---|---|"]
+    for check, values, median, interval, from_medians, target, verdict in targets(records):
+        span = "–" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
+        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.2f} | {span} "
+                     f"| {from_medians:.2f} | {target or '–'} | {verdict or '–'} |")
     return lines
 
 
@@ -503,6 +558,9 @@ def build_parser():
     p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
                    help="longest a single run may take before it is killed and the benchmark fails "
                         "(default: 1800)")
+    p.add_argument("--from-runs", nargs="+", metavar="RUNS_JSON",
+                   help="measure nothing: write the report from the runs.json of earlier benchmarks, pooling "
+                        "their repeats where there are several (default: measure)")
     return p
 
 
@@ -519,11 +577,42 @@ def parse_args(argv=None):
     return args
 
 
+def load_runs(paths, args):
+    """The runs of earlier benchmarks, their repeats numbered on from one file to the next, and their machine
+    facts; args takes the options they ran with. They must have measured the same configurations."""
+    records, facts, options = [], [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            runs, machine, ran_with = saved["runs"], saved["machine"], saved["options"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"error: --from-runs: cannot read {path} ({type(e).__name__}: {e})")
+        if not runs:
+            sys.exit(f"error: --from-runs: {path} holds no runs")
+        offset = 1 + max((r["repeat"] for r in records), default=-1)
+        records += [{**r, "repeat": r["repeat"] + offset} for r in runs]
+        facts.append(machine)
+        options.append({k: ran_with[k] for k in ("dataset", "epochs", "processes", "global_batch", "skip_reference")})
+    if any(o != options[0] for o in options):
+        sys.exit("error: --from-runs: the files measured different configurations (" +
+                 "; ".join(f"{p}: {o}" for p, o in zip(paths, options)) + "): pool only runs of the same benchmark")
+    vars(args).update(options[0], repeats=1 + max(r["repeat"] for r in records))
+    pooled = dict(facts[0])
+    for key in ("commit", "date"):  # where the files differ, name every one
+        pooled[key] = ", ".join(dict.fromkeys(str(f[key]) for f in facts))
+    return records, pooled
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    facts = machine_facts(args)
-    records = measure(args, facts)
+    if args.from_runs:
+        records, facts = load_runs(args.from_runs, args)
+        write_json(os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records})
+    else:
+        facts = machine_facts(args)
+        records = measure(args, facts)
     summaries = summarise(records)
     rows = scaling_rows(args, summaries)
     write_markdown(os.path.join(args.out_dir, "scaling.md"), args, facts, records, rows, summaries)
