@@ -321,8 +321,8 @@ class SharedMemoryAverager:
     """A DDP communication hook for a job whose processes share one machine: each rank writes its
     gradient bucket, divided by the world size, into shared memory, waits for the others, and adds
     up all copies itself. Gloo would send the same bytes through the loopback TCP stack and put
-    each waiting process to sleep; on this project's 2-core machine a 2-process epoch took 16-29%
-    longer that way (bench/results, run (g) against (b)). Register with
+    each waiting process to sleep; on this project's 2-core machine a 2-process epoch took 15% longer
+    that way (median of 20 repeats; bench/results, run (g) against (b)). Register with
     ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)."""
 
     def __init__(self, model, rank, world_size, timeout):
