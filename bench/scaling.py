@@ -472,7 +472,8 @@ def reference_table(records, summaries):
               "|---|---|---:|---:|---:|---|---|"]
     for check, values, median, interval, from_medians, target, verdict in targets(records):
         span = "–" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
-        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.2f} | {span} "
+        # The judged median to 3 places: at 2, a median of 1.152 against "≤ 1.15" would read 1.15 and FAIL.
+        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.3f} | {span} "
                      f"| {from_medians:.2f} | {target or '–'} | {verdict or '–'} |")
     return lines
 
@@ -609,7 +610,8 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     if args.from_runs:
         records, facts = load_runs(args.from_runs, args)
-        write_json(os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records})
+        if len(args.from_runs) > 1:  # a new set of runs; one file reported again is left as it was measured
+            write_json(os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records})
     else:
         facts = machine_facts(args)
         records = measure(args, facts)
@@ -624,7 +626,7 @@ def main(argv=None):
         print("\n" + f.read())
     print(f"Written: {os.path.join(args.out_dir, 'scaling.md')}"
           + (f", {png}" if plotted else "")
-          + f", {os.path.join(args.out_dir, 'runs.json')}")
+          + ("" if len(args.from_runs or ()) == 1 else f", {os.path.join(args.out_dir, 'runs.json')}"))
 
 
 if __name__ == "__main__":

@@ -131,9 +131,18 @@ def test_earlier_benchmarks_are_reported_again_and_pooled_without_measuring(tmp_
     table = (tmp_path / "pooled" / "scaling.md").read_text()
     assert "commit aaaaaaa, bbbbbbb" in table and "median of 5 run(s) per row" in table and "2 benchmarks, pooled" in table
     # 5 repeats: 1.1, 1.1, 1.2, 1.2, 1.2 against the floor; the median fails, the interval reaches across 1.15
-    assert "| 1.10, 1.10, 1.20, 1.20, 1.20 | 1.20 | 1.10 to 1.20 |" in table and "FAIL, inside the noise" in table
+    assert "| 1.10, 1.10, 1.20, 1.20, 1.20 | 1.200 | 1.10 to 1.20 |" in table and "FAIL, inside the noise" in table
     pooled = json.loads((tmp_path / "pooled" / "runs.json").read_text())
     assert sorted({r["repeat"] for r in pooled["runs"]}) == [0, 1, 2, 3, 4]
+
+
+def test_one_benchmark_reported_again_in_its_own_folder_keeps_its_runs_as_measured(tmp_path):
+    measured = saved_benchmark(tmp_path / "runs.json", 1, 11.52, "aaaaaaa")
+    before = (tmp_path / "runs.json").read_bytes()
+    scaling.main(["--from-runs", measured, "--out-dir", str(tmp_path)])
+    assert (tmp_path / "runs.json").read_bytes() == before
+    # The judged median to 3 places: 1.152 against "≤ 1.15" fails, and must not read 1.15
+    assert "| 1.152 | – | 1.15 | ≤ 1.15 | FAIL, too few repeats to tell from noise |" in (tmp_path / "scaling.md").read_text()
 
 
 def test_benchmarks_of_different_configurations_are_not_pooled(tmp_path):
