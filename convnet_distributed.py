@@ -18,7 +18,8 @@ Two machines with 8 processes each: one launch per machine, both naming machine 
     python convnet_distributed.py --num-machines 2 --machine-id 1 --num-processes 8 --batch-size 16 --master-addr 10.0.0.1 --master-port 8892
 Under torchrun, which starts the processes itself (the script joins its group):
     torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
-"""
+"""  # noqa: E501 (commands are one line each)
+
 import argparse
 import ctypes
 import fcntl
@@ -48,16 +49,26 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
+
 # torchvision imports torch._dynamo, as DistributedDataParallel's constructor would anyway. It must be
 # imported before the process group exists: imported after, Gloo's threads outlive destroy_process_group()
-# and are torn down at interpreter exit, where 1 run in 7 of a 3-process job aborted.
+# and are torn down at interpreter exit, which can abort the process after a finished run.
 from torchvision import datasets
 
-BACKEND = "gloo"
+# ---- 1. Constants -------------------------------------------------------------------------------------------
+
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
-# Test images per forward pass. On a CPU, 128 evaluates about twice as fast as 1000 (its activations stay
-# in cache), and they take 20 MB, not the 150 MB that made evaluation the peak of a run's memory.
+# Test images per forward pass: on a CPU a small batch keeps its activations in cache, and evaluation
+# stays below training in memory.
 TEST_BATCH_SIZE = 128
+# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+DATASETS = {
+    "mnist": (datasets.MNIST, 0.1302, 0.3069),
+    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
+}
+
+
+# ---- 2. The model -------------------------------------------------------------------------------------------
 
 
 class ConvNet(nn.Module):
@@ -76,11 +87,6 @@ class ConvNet(nn.Module):
         x = F.relu(self.conv1(x))
         x = F.relu(self.conv2(x))
         x = F.max_pool2d(x, 2)
-        if x.requires_grad and x.is_contiguous(memory_format=torch.channels_last):
-            # flatten() returns its gradient in NCHW order, and max-pool's CPU backward takes the layout of
-            # its incoming gradient: on a channels-last model it would convert its whole 24x24 gradient to
-            # NCHW and back, 10-15% of a training step. One conversion of the small 12x12 gradient instead.
-            x.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
         x = self.dropout1(x)
         x = torch.flatten(x, 1)
         x = F.relu(self.fc1(x))
@@ -88,42 +94,7 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
-DATASETS = {
-    "mnist": (datasets.MNIST, 0.1302, 0.3069),
-    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
-}
-
-
-def keep_freed_memory():
-    """glibc hands every freed block above 128 KiB back to the system, so each training step maps its
-    activations afresh and faults their pages in again: 14-18% of an epoch on this project's machine.
-    Keep freed blocks for reuse instead (mallopt(3); jemalloc or tcmalloc do the same)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator keeps its own counsel
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
-
-
-def release_freed_memory():
-    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
-    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing was kept
-
-
-def peak_memory_mib():
-    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+# ---- 3. Data ------------------------------------------------------------------------------------------------
 
 
 def raw_folder(args):
@@ -158,8 +129,10 @@ def prepare_data(args):
         DATASETS[args.dataset][0](args.data_dir, download=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        sys.exit(f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-                 f"put the four files {', '.join(names)} there (gzipped or not) and run again")
+        sys.exit(
+            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
+            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
+        )
     finally:
         socket.setdefaulttimeout(None)
 
@@ -170,8 +143,10 @@ def load_data(args):
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        sys.exit(f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-                 "a file there is damaged: replace it")
+        sys.exit(
+            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+            "a file there is damaged: replace it"
+        )
     return train.data, train.targets, test.data, test.targets
 
 
@@ -187,6 +162,52 @@ def epoch_batches(sampler, epoch, batch_size):
     return torch.tensor(list(sampler)).split(batch_size)
 
 
+# ---- 4. Train and evaluate ----------------------------------------------------------------------------------
+
+
+def train(model, optimizer, data, rank, world_size, args):
+    """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then the metrics."""
+    device = next(model.parameters()).device
+    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
+    start_epoch = resume(model, optimizer, args) if args.resume else 0
+    ddp_model, allreduce = data_parallel(model, rank, world_size, args)
+    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    train_seconds, history = 0.0, []
+    for epoch in range(start_epoch, args.epochs):
+        # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
+        torch.manual_seed(args.seed + epoch * world_size + rank)
+        batches = epoch_batches(sampler, epoch, args.batch_size)
+        # Every rank arrives here in step: DDP's set-up and the last epoch's evaluation synchronise.
+        start = time.perf_counter()
+        train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
+        train_seconds += time.perf_counter() - start
+        dist.all_reduce(train_loss)
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+        release_freed_memory()
+        accuracy = f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)"
+        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
+        loss = train_loss.item() / world_size
+        history.append({"epoch": epoch, "train_loss": loss, "test_loss": test_loss, "test_accuracy": test_accuracy})
+        if args.checkpoint:
+            save_checkpoint(model, optimizer, epoch, args)
+    if not history:
+        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+    peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
+    metrics = {
+        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
+        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
+        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
+        "threads": torch.get_num_threads(), "amp": args.amp, "allreduce": allreduce,
+        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
+        "samples_per_second": len(history) * len(train_labels) / train_seconds if train_seconds else None,
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
+        "peak_rss_mib_per_rank": peaks, "history": history,
+    }  # fmt: skip
+    report(metrics, args)
+
+
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
     """One pass over this rank's batches; returns this rank's mean training loss (a tensor)."""
     model.train()
@@ -200,8 +221,8 @@ def train_epoch(model, optimizer, images, labels, batches, epoch, args):
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            print0(f"epoch: {epoch} [{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]\t"
-                   f" training loss: {loss.item():.6f}")
+            progress = f"[{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]"
+            print0(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}")
     return loss_sum / len(batches)
 
 
@@ -221,18 +242,89 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
-def peak_memory_per_rank(device):
-    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
-    mine = torch.tensor([peak_memory_mib()], dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.item() for t in everyone]
+# ---- 5. Process group and DDP -------------------------------------------------------------------------------
+# Every process runs worker(): it joins the process group, builds its own copy of the model and trains it on its
+# shard. DistributedDataParallel averages the gradients inside backward(): every copy takes the same step.
+
+
+def join_group(rank, world_size, args):
+    """Join the job's process group over Gloo: every process of every machine meets at machine 0."""
+    choose_gloo_interface(rank, world_size, args)
+    store = rendezvous(rank, world_size, args)
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def data_parallel(model, rank, world_size, args):
+    """DDP around model; returns it and how it averages the gradients: "shared-memory" when every process is
+    on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo"."""
+    # x86-64 only: the hook relies on its store order (see average), and Linux's /dev/shm.
+    can_share = platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+    shared_memory = args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and can_share
+    # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
+    # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
+    # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
+    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on.
+    ddp_model = DistributedDataParallel(
+        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if shared_memory else None
+    )
+    if shared_memory:
+        averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
+        ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
+    return ddp_model, "shared-memory" if shared_memory else "gloo"
+
+
+def worker(local_rank, args, data):
+    """One process: join the group, build the model, train."""
+    rank, world_size, _ = placement(args, local_rank)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    device = select_device(local_rank)
+    join_group(rank, world_size, args)
+    try:
+        if data is None:  # under torchrun: one process per machine fetches the files, the others wait
+            if local_rank == 0:
+                prepare_data(args)
+            dist.barrier()
+            data = load_data(args)
+        torch.manual_seed(args.seed)  # the same initial weights as the baseline script's
+        # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
+        model = ConvNet().to(device, memory_format=torch.channels_last)
+        keep_pool_gradient_channels_last(model)
+        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+        train(model, optimizer, data, rank, world_size, args)
+    except RuntimeError as e:
+        # Gloo reports a lost peer as a plain RuntimeError, raised inside backward() by DDP.
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+            raise
+        sys.exit(
+            f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
+            f"or did not answer within --timeout {args.timeout:g} s"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def select_device(local_rank):
+    return torch.device("cpu")
 
 
 def print0(message):
     """Print on rank 0 only: one log for the whole job, not one per process."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
+
+
+# ---- 6. Checkpoint and metrics ------------------------------------------------------------------------------
+
+
+def save_checkpoint(model, optimizer, epoch, args):
+    state = {
+        "format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+    }  # fmt: skip
+    save0(args.checkpoint, lambda f: torch.save(state, f))
 
 
 def save0(path, write):
@@ -250,28 +342,6 @@ def save0(path, write):
             os.unlink(f.name)
             raise
     os.replace(f.name, path)
-
-
-def save_checkpoint(model, optimizer, epoch, args):
-    state = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
-             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
-    save0(args.checkpoint, lambda f: torch.save(state, f))
-
-
-def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
-        return None
-    try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint")
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
-    if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
-    return state
 
 
 def resume(model, optimizer, args):
@@ -301,6 +371,105 @@ def resume(model, optimizer, args):
     return state["epoch"] + 1
 
 
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+def report(metrics, args):
+    """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
+    print0(
+        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
+        f"launch to end {metrics['total_seconds']:.2f} s"
+    )
+    if args.metrics_json:
+        save0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
+    print0(f"Finished training in {metrics['train_seconds']:.2f} secs")
+
+
+def peak_memory_per_rank(device):
+    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
+    mine = torch.tensor([peak_memory_mib()], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.item() for t in everyone]
+
+
+def peak_memory_mib():
+    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+
+
+# ---- 7. Launch and command line -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if under_torchrun():
+            worker(int(os.environ["LOCAL_RANK"]), args, None)
+            return
+        # Once per machine, before the workers start: N processes downloading into one folder race.
+        prepare_data(args)
+        data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+        if args.num_processes == 1:
+            worker(0, args, data)
+        else:
+            run_workers(args, data, args.num_processes)
+    except KeyboardInterrupt:
+        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        print(f"Interrupted: every process of this launch stopped{checkpoint}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def run_workers(args, data, nprocs):
+    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
+    # spawn logs every stop it makes; the failed worker's own message says more.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    context = mp.start_processes(spawned_worker, args=(args, data), nprocs=nprocs, join=False)
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 130:
+            raise KeyboardInterrupt from None
+        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
+        rank = placement(args, e.error_index)[0]
+        sys.exit(
+            1
+            if e.exit_code == 1
+            else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
+        )
+    finally:
+        for process in context.processes:  # Ctrl-C here: no worker may outlive the launch
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
+def spawned_worker(local_rank, args, data):
+    try:
+        worker(local_rank, args, data)
+    except KeyboardInterrupt:
+        sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
+
+
 def under_torchrun():
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
@@ -309,275 +478,175 @@ def placement(args, local_rank):
     """(rank, world size, processes on this machine): the one place they are worked out."""
     if under_torchrun():
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return (args.machine_id * args.num_processes + local_rank,
-            args.num_machines * args.num_processes, args.num_processes)
+    return (
+        args.machine_id * args.num_processes + local_rank,
+        args.num_machines * args.num_processes,
+        args.num_processes,
+    )
 
 
-def select_device(local_rank):
-    return torch.device("cpu")
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    fill_layout(parser, args)
+    if not 0 <= args.machine_id < args.num_machines:
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    if args.threads is None:
+        args.threads = default_threads(placement(args, 0)[2])
+    return args
 
 
-class SharedMemoryAverager:
-    """A DDP communication hook for a job whose processes share one machine: each rank writes its
-    gradient bucket, divided by the world size, into shared memory, waits for the others, and adds
-    up all copies itself. Gloo would send the same bytes through the loopback TCP stack and put
-    each waiting process to sleep; on this project's 2-core machine a 2-process epoch took 15% longer
-    that way (median of 20 repeats; bench/results, run (g) against (b)). Register with
-    ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)."""
-
-    def __init__(self, model, rank, world_size, timeout):
-        numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind.
-        path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)
-        size = 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
-        if rank == 0:
-            region = torch.from_file(path[0], shared=True, size=size)
-        dist.barrier()  # created: the others may map it
-        if rank != 0:
-            region = torch.from_file(path[0], shared=True, size=size)
-        dist.barrier()  # mapped by every rank: the name can go
-        if rank == 0:
-            os.unlink(path[0])
-        self.arrived = region[:2 * world_size].view(torch.int64).numpy()  # calls each rank has written
-        self.areas = region[2 * world_size:].view(2, world_size, numel)
-        self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
-
-    def average(self, bucket):
-        grads = bucket.buffer()
-        # Two areas, used in turn: a rank writes an area again only after every rank has arrived at
-        # the call in between, so every rank is done reading it.
-        area = self.areas[self.calls % 2, :, :grads.numel()]
-        # Divide, then sum, as DDP's own all-reduce does. Every rank sums in the same order (rank 0's copy
-        # first), so every rank gets the same bits and the model copies stay equal.
-        torch.div(grads, self.world_size, out=area[self.rank])
-        self.calls += 1
-        # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
-        self.arrived[self.rank] = self.calls
-        self.wait_for_all()
-        torch.add(area[0], area[1], out=grads)  # two passes over memory fewer than torch.sum(area, dim=0)
-        for other in area[2:]:
-            grads.add_(other)
-        done = torch.futures.Future()
-        done.set_result(grads)
-        return done
-
-    def wait_for_all(self):
-        # Spin, yielding the core to any process that has work: a process that sleeps (as Gloo's wait
-        # does) can take milliseconds to wake on a virtual machine, longer than the averaging itself.
-        deadline = time.monotonic() + self.timeout
-        while self.arrived.min() < self.calls:
-            if time.monotonic() > deadline:
-                late = [r for r, n in enumerate(self.arrived) if n < self.calls]
-                raise dist.DistError(f"no gradients from rank(s) {late}")
-            os.sched_yield()
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A mistake on the command line gets one line naming the flag, not a usage block first."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def data_parallel(model, rank, world_size, args):
-    """DDP around model. When every process is on this machine, the gradients are averaged in shared
-    memory (SharedMemoryAverager) unless --allreduce gloo; across machines, over Gloo."""
-    # x86-64 only: the hook relies on its store order (see average), and Linux's /dev/shm.
-    shared_memory = (args.allreduce == "auto" and world_size > 1 and args.num_machines == 1
-                     and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm"))
-    args.allreduce = "shared-memory" if shared_memory else "gloo"
-    # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
-    # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
-    # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
-    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on.
-    ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True,
-                                        bucket_cap_mb=25 if shared_memory else None)
-    if shared_memory:
-        ddp_model.register_comm_hook(SharedMemoryAverager(model, rank, world_size, args.timeout),
-                                     SharedMemoryAverager.average)
-    return ddp_model
+def build_parser():
+    # Flags of two words take the article's spelling too: --num_machines as well as --num-machines.
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    p.add_argument(
+        "--batch-size",
+        "--batch_size",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="images per batch in each process; the global batch is this x world size (default: 128)",
+    )
+    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    p.add_argument(
+        "--data-dir",
+        "--data_dir",
+        default="./data",
+        metavar="DIR",
+        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)",
+    )
+    p.add_argument(
+        "--log-interval",
+        "--log_interval",
+        type=positive_int,
+        default=10,
+        metavar="N",
+        help="batches between progress lines (default: 10)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
+        "divided by the processes on this machine, at least 1)",
+    )
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    p.add_argument(
+        "--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)",
+    )
+    p.add_argument(
+        "--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)"
+    )
+    p.add_argument(
+        "--num-machines",
+        "--num_machines",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="machines in the job (default: 1)",
+    )
+    p.add_argument(
+        "--num-processes",
+        "--num_processes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="processes on this machine (default: 1)",
+    )
+    p.add_argument(
+        "--machine-id",
+        "--machine_id",
+        type=int,
+        default=None,
+        metavar="ID",
+        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        metavar="HOST",
+        help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)",
+    )
+    p.add_argument(
+        "--allreduce",
+        choices=["auto", "gloo"],
+        default="auto",
+        help="how the gradients are averaged: auto, in shared memory when every process is on this "
+        "machine (Linux on x86-64) and over Gloo otherwise; gloo, over Gloo always (default: auto)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300,
+        metavar="SECONDS",
+        help="how long a process waits for its peers before giving up (default: 300)",
+    )
+    return p
 
 
-def train(model, optimizer, data, rank, world_size, args):
-    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
-    device = next(model.parameters()).device
-    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    start_epoch = resume(model, optimizer, args) if args.resume else 0
-    ddp_model = data_parallel(model, rank, world_size, args)
-    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_seconds, history = 0.0, []
-    for epoch in range(start_epoch, args.epochs):
-        # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
-        torch.manual_seed(args.seed + epoch * world_size + rank)
-        batches = epoch_batches(sampler, epoch, args.batch_size)
-        # Every rank arrives here in step: DDP's set-up and the last epoch's evaluation synchronise.
-        start = time.perf_counter()
-        train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
-        train_seconds += time.perf_counter() - start
-        dist.all_reduce(train_loss)
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
-        release_freed_memory()
-        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy "
-               f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)")
-        history.append({"epoch": epoch, "train_loss": train_loss.item() / world_size,
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        if args.checkpoint:
-            save_checkpoint(model, optimizer, epoch, args)
-    if not history:
-        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
-    samples = len(history) * len(train_labels)
-    peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
-    metrics = {
-        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
-        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
-        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
-        "threads": torch.get_num_threads(), "amp": args.amp, "allreduce": args.allreduce,
-        "train_seconds": train_seconds, "total_seconds": time.time() - args.launch_time,
-        "samples_per_second": samples / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "peak_rss_mib_per_rank": peaks, "history": history,
-    }
-    print0(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
-           f"launch to end {metrics['total_seconds']:.2f} s")
-    if args.metrics_json:
-        save0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print0(f"Finished training in {train_seconds:.2f} secs")
-
-
-def open_store(rank, world_size, args, deadline):
-    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
-    where = f"{args.master_addr}:{args.master_port}"
-    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
-        try:
-            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                sys.exit(f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
-                         f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
-                         "--master-port and the firewall")
-            time.sleep(0.5)
+def fill_layout(parser, args):
+    """Machines, processes, this machine's id and machine 0's address: the flags, else the environment,
+    else one process on one machine. Under torchrun its environment decides: a flag that says otherwise
+    is reported, not ignored."""
+    env, torchrun = os.environ, {}
+    if under_torchrun():
+        local = int(env.get("LOCAL_WORLD_SIZE", 1))
+        torchrun = {
+            "num_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
+            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": env.get("MASTER_ADDR"),
+            "master_port": env.get("MASTER_PORT"),
+        }  # fmt: skip
+    defaults = {
+        "num_processes": 1, "num_machines": 1, "machine_id": 0,
+        "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": env.get("MASTER_PORT", "8892"),
+    }  # fmt: skip
+    for name, default in defaults.items():
+        given, decided = getattr(args, name), torchrun.get(name)
+        if given is not None and decided is not None and str(given) != str(decided):
+            parser.error(
+                f"--{name.replace('_', '-')} {given} disagrees with torchrun, which set {decided}: "
+                "drop the flag, or give torchrun the same"
+            )
+        setattr(args, name, next(v for v in (given, decided, default) if v is not None))
     try:
-        return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=rank == 0,
-                             timeout=timedelta(seconds=args.timeout), wait_for_workers=False)
-    except dist.DistError as e:
-        if rank == 0:
-            sys.exit(f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
-                     "the port; choose a free --master-port")
-        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
-
-
-def interface_addresses():
-    """{interface name: its IPv4 address} for this machine's interfaces that have one (Linux)."""
-    found = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's address, in a struct ifreq
-                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                found[name] = socket.inet_ntoa(ifreq[20:24])
-            except OSError:
-                pass
-    return found
-
-
-def choose_gloo_interface(rank, world_size, local_world_size, master_addr):
-    """Gloo listens on the address this host's name resolves to, which on many hosts (this one too) is
-    127.0.0.1: unreachable from another machine. When the job spans machines and GLOO_SOCKET_IFNAME is
-    unset, take the interface that routes to machine 0. A GLOO_SOCKET_IFNAME set by the user wins."""
-    if BACKEND != "gloo":
-        return
-    addresses = interface_addresses()
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        unknown = [name for name in os.environ["GLOO_SOCKET_IFNAME"].split(",") if name not in addresses]
-        if unknown:
-            sys.exit(f"error: GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no interface "
-                     f"{unknown[0]} with an IPv4 address (it has {', '.join(sorted(addresses))})")
-        return
-    if world_size == local_world_size:  # one machine: the loopback Gloo picks is right
-        return
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))  # a UDP "connect" sends nothing: it only asks the kernel for the route
-            own = s.getsockname()[0]
-    except OSError as e:
-        sys.exit(f"error: no route from this machine to --master-addr {master_addr} ({e.strerror or e})")
-    if own.startswith("127."):  # machine 0 is this host: loopback is right
-        return
-    name = next((name for name, address in addresses.items() if address == own), None)
-    if name is None:
-        sys.exit(f"error: cannot tell which interface holds {own}, the address that reaches {master_addr}: "
-                 "set GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    if rank == 0:
-        print(f"Gloo uses interface {name} ({own}), which reaches --master-addr {master_addr}; "
-              "set GLOO_SOCKET_IFNAME to choose another", flush=True)
-
-
-def join_group(rank, world_size, args):
-    """Join the job's process group. Arrivals are counted, so that a machine that never starts is
-    reported after --timeout, not waited for in silence."""
-    timeout = timedelta(seconds=args.timeout)
-    if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
-        served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
-        agent_store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=not served and rank == 0,
-                                    timeout=timeout)
-        # The store outlives a restart (--max-restarts): keep each attempt's keys apart, or a restarted
-        # group reads the previous attempt's addresses and Gloo connects to a process that is gone.
-        attempt = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
-        dist.init_process_group(BACKEND, store=attempt, rank=rank, world_size=world_size, timeout=timeout)
-        return
-    deadline = time.monotonic() + args.timeout
-    store = open_store(rank, world_size, args, deadline)
-    try:
-        store.add("joined", 1)
-        while (joined := store.add("joined", 0)) < world_size:
-            if rank == 0 and time.monotonic() > deadline:
-                sys.exit(f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} "
-                         f"s: start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
-                         f"{args.num_machines - 1}) with the same --master-addr and --master-port")
-            time.sleep(0.1)
-    except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        sys.exit(f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
-    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timeout)
-
-
-def last_line(error):
-    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return re.sub(r"^\[[^\]]*\] ", "", lines[-1]).split(". ")[0].rstrip(".")
-
-
-def worker(local_rank, args, data):
-    """One process: join the group, build the model, train."""
-    rank, world_size, local_world_size = placement(args, local_rank)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    device = select_device(local_rank)
-    choose_gloo_interface(rank, world_size, local_world_size, args.master_addr)
-    join_group(rank, world_size, args)
-    try:
-        if data is None:  # under torchrun: one process per machine fetches the files, the others wait
-            if local_rank == 0:
-                prepare_data(args)
-            dist.barrier()
-            data = load_data(args)
-        torch.manual_seed(args.seed)  # the same initial weights as the baseline script's
-        # Channels-last, the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores):
-        # on this project's 2-core machine a step is 7% faster in float32, 17% faster under --amp.
-        model = ConvNet().to(device, memory_format=torch.channels_last)
-        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-        train(model, optimizer, data, rank, world_size, args)
-    except RuntimeError as e:
-        # Gloo reports a lost peer as a plain RuntimeError, raised inside backward() by DDP.
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
-            raise
-        sys.exit(f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
-                 f"or did not answer within --timeout {args.timeout:g} s")
-    finally:
-        dist.destroy_process_group()
-
-
-def spawned_worker(local_rank, args, data):
-    try:
-        worker(local_rank, args, data)
-    except KeyboardInterrupt:
-        sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
+        args.master_port = port(str(args.master_port))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(
+            f"MASTER_PORT={env['MASTER_PORT']!r} in the environment is not a port number (1-65535): "
+            "fix it, or pass --master-port"
+        )
 
 
 def positive_int(text):
@@ -609,136 +678,224 @@ def default_threads(processes_per_machine):
     return max(1, len(os.sched_getaffinity(0)) // processes_per_machine)
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # A mistake on the command line gets one line naming the flag, not a usage block first.
-    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    p.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
-                   help="images per batch in each process; the global batch is this x world size (default: 128)")
-    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    p.add_argument("--data-dir", default="./data", metavar="DIR",
-                   help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
-    p.add_argument("--log-interval", type=positive_int, default=10, metavar="N",
-                   help="batches between progress lines (default: 10)")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
-                        "divided by the processes on this machine, at least 1)")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    p.add_argument("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
-    p.add_argument("--metrics-json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
-    p.add_argument("--num-machines", type=positive_int, default=None, metavar="N",
-                   help="machines in the job (default: 1)")
-    p.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
-                   help="processes on this machine (default: 1)")
-    p.add_argument("--machine-id", type=int, default=None, metavar="ID",
-                   help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
-    p.add_argument("--master-addr", default=None, metavar="HOST",
-                   help="address of machine 0, which every process contacts "
-                        "(default: MASTER_ADDR if set, else 127.0.0.1)")
-    p.add_argument("--master-port", type=port, default=None, metavar="PORT",
-                   help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)")
-    p.add_argument("--allreduce", choices=["auto", "gloo"], default="auto",
-                   help="how the gradients are averaged: auto, in shared memory when every process is on this "
-                        "machine (Linux on x86-64) and over Gloo otherwise; gloo, over Gloo always (default: auto)")
-    p.add_argument("--timeout", type=positive_float, default=300, metavar="SECONDS",
-                   help="how long a process waits for its peers before giving up (default: 300)")
-    return p
+# ---- Robustness and speed machinery (can be skipped on a first reading) -------------------------------------
+# What makes the story above fail clearly and run fast on CPUs: a rendezvous that names a missing machine,
+# the network interface Gloo listens on, gradients averaged in shared memory, the allocator kept warm,
+# and a layout fix for max-pool's backward.
 
 
-def fill_layout(parser, args):
-    """Machines, processes, this machine's id and machine 0's address: the flags, else the environment,
-    else one process on one machine. Under torchrun its environment decides: a flag that says otherwise
-    is reported, not ignored."""
-    env, torchrun = os.environ, {}
-    if under_torchrun():
-        local = int(env.get("LOCAL_WORLD_SIZE", 1))
-        torchrun = {"num_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
-                    "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": env.get("MASTER_ADDR"),
-                    "master_port": env.get("MASTER_PORT")}
-    defaults = {"num_processes": 1, "num_machines": 1, "machine_id": 0,
-                "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": env.get("MASTER_PORT", "8892")}
-    for name, default in defaults.items():
-        given, decided = getattr(args, name), torchrun.get(name)
-        if given is not None and decided is not None and str(given) != str(decided):
-            parser.error(f"--{name.replace('_', '-')} {given} disagrees with torchrun, which set {decided}: "
-                         "drop the flag, or give torchrun the same")
-        setattr(args, name, next(v for v in (given, decided, default) if v is not None))
+def rendezvous(rank, world_size, args):
+    """The store every process of the job meets at. Arrivals are counted, so that a machine that never
+    starts is reported after --timeout, not waited for in silence."""
+    if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
+        served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
+        agent_store = dist.TCPStore(
+            args.master_addr,
+            args.master_port,
+            world_size,
+            is_master=not served and rank == 0,
+            timeout=timedelta(seconds=args.timeout),
+        )
+        # The store outlives a restart (--max-restarts): keep each attempt's keys apart, or a restarted
+        # group reads the previous attempt's addresses and Gloo connects to a process that is gone.
+        return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
+    deadline = time.monotonic() + args.timeout
+    store = open_store(rank, world_size, args, deadline)
     try:
-        args.master_port = port(str(args.master_port))
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"MASTER_PORT={env['MASTER_PORT']!r} in the environment is not a port number (1-65535): "
-                     "fix it, or pass --master-port")
+        store.add("joined", 1)
+        while (joined := store.add("joined", 0)) < world_size:
+            if rank == 0 and time.monotonic() > deadline:
+                sys.exit(
+                    f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} "
+                    f"s: start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
+                    f"{args.num_machines - 1}) with the same --master-addr and --master-port"
+                )
+            time.sleep(0.1)
+    except dist.DistError as e:  # rank 0 gave up, or its machine went away
+        sys.exit(f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+    return store
 
 
-def parse_args(argv=None):
-    # The article spells some flags with underscores (--num_machines=2): accept both spellings.
-    argv = sys.argv[1:] if argv is None else argv
-    argv = [a.partition("=")[0].replace("_", "-") + "".join(a.partition("=")[1:]) if a.startswith("--") else a
-            for a in argv]
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    fill_layout(parser, args)
-    if not 0 <= args.machine_id < args.num_machines:
-        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint PATH")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    if args.threads is None:
-        args.threads = default_threads(placement(args, 0)[2])
-    return args
-
-
-def run_workers(args, data, nprocs):
-    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
-    # spawn logs every stop it makes; the failed worker's own message says more.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(spawned_worker, args=(args, data), nprocs=nprocs, join=False)
+def open_store(rank, world_size, args, deadline):
+    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
+    where = f"{args.master_addr}:{args.master_port}"
+    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
+        try:
+            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                sys.exit(
+                    f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
+                    f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
+                    "--master-port and the firewall"
+                )
+            time.sleep(0.5)
     try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as e:
-        if e.exit_code == 130:
-            raise KeyboardInterrupt from None
-        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
-        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
-        rank = placement(args, e.error_index)[0]
-        sys.exit(1 if e.exit_code == 1 else
-                 f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped")
-    finally:
-        for process in context.processes:  # Ctrl-C here: no worker may outlive the launch
-            if process.is_alive():
-                process.terminate()
-            process.join()
+        return dist.TCPStore(
+            args.master_addr,
+            args.master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=args.timeout),
+            wait_for_workers=False,
+        )
+    except dist.DistError as e:
+        if rank == 0:
+            sys.exit(
+                f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
+                "the port; choose a free --master-port"
+            )
+        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    args.launch_time = LAUNCH_TIME
+def choose_gloo_interface(rank, world_size, args):
+    """Gloo listens on the address this host's name resolves to, which on many hosts is 127.0.0.1:
+    unreachable from another machine. When the job spans machines and GLOO_SOCKET_IFNAME is unset,
+    take the interface that routes to machine 0. A GLOO_SOCKET_IFNAME set by the user wins."""
+    addresses = interface_addresses()
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        unknown = [name for name in os.environ["GLOO_SOCKET_IFNAME"].split(",") if name not in addresses]
+        if unknown:
+            sys.exit(
+                f"error: GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no interface "
+                f"{unknown[0]} with an IPv4 address (it has {', '.join(sorted(addresses))})"
+            )
+        return
+    if world_size == placement(args, 0)[2]:  # one machine: the loopback Gloo picks is right
+        return
+    master_addr = args.master_addr
     try:
-        if under_torchrun():
-            worker(int(os.environ["LOCAL_RANK"]), args, None)
-            return
-        # Once per machine, before the workers start: N processes downloading into one folder race.
-        prepare_data(args)
-        data = load_data(args)  # handed to the workers in shared memory: one copy per machine
-        if args.num_processes == 1:
-            worker(0, args, data)
-        else:
-            run_workers(args, data, args.num_processes)
-    except KeyboardInterrupt:
-        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
-        print(f"Interrupted: every process of this launch stopped{checkpoint}", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # a UDP "connect" sends nothing: it only asks the kernel for the route
+            own = s.getsockname()[0]
+    except OSError as e:
+        sys.exit(f"error: no route from this machine to --master-addr {master_addr} ({e.strerror or e})")
+    if own.startswith("127."):  # machine 0 is this host: loopback is right
+        return
+    name = next((name for name, address in addresses.items() if address == own), None)
+    if name is None:
+        sys.exit(
+            f"error: cannot tell which interface holds {own}, the address that reaches {master_addr}: "
+            "set GLOO_SOCKET_IFNAME"
+        )
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    if rank == 0:
+        print(
+            f"Gloo uses interface {name} ({own}), which reaches --master-addr {master_addr}; "
+            "set GLOO_SOCKET_IFNAME to choose another",
+            flush=True,
+        )
+
+
+def interface_addresses():
+    """{interface name: its IPv4 address} for this machine's interfaces that have one (Linux)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's address, in a struct ifreq
+                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                found[name] = socket.inet_ntoa(ifreq[20:24])
+            except OSError:
+                pass
+    return found
+
+
+class SharedMemoryAverager:
+    """A DDP communication hook for a job whose processes share one machine: each rank writes its
+    gradient bucket, divided by the world size, into shared memory, waits for the others, and adds
+    up all copies itself. Gloo would send the same bytes through the loopback TCP stack and put each
+    waiting process to sleep, which makes a step measurably slower on a few cores (bench/README.md).
+    Register with ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)."""
+
+    def __init__(self, model, rank, world_size, timeout):
+        numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
+        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind.
+        path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
+        dist.broadcast_object_list(path, src=0)
+        size = 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
+        if rank == 0:
+            region = torch.from_file(path[0], shared=True, size=size)
+        dist.barrier()  # created: the others may map it
+        if rank != 0:
+            region = torch.from_file(path[0], shared=True, size=size)
+        dist.barrier()  # mapped by every rank: the name can go
+        if rank == 0:
+            os.unlink(path[0])
+        self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
+        self.areas = region[2 * world_size :].view(2, world_size, numel)
+        self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
+
+    def average(self, bucket):
+        grads = bucket.buffer()
+        # Two areas, used in turn: a rank writes an area again only after every rank has arrived at
+        # the call in between, so every rank is done reading it.
+        area = self.areas[self.calls % 2, :, : grads.numel()]
+        # Divide, then sum, as DDP's own all-reduce does. Every rank sums in the same order (rank 0's copy
+        # first), so every rank gets the same bits and the model copies stay equal.
+        torch.div(grads, self.world_size, out=area[self.rank])
+        self.calls += 1
+        # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
+        self.arrived[self.rank] = self.calls
+        self.wait_for_all()
+        torch.add(area[0], area[1], out=grads)  # two passes over memory fewer than torch.sum(area, dim=0)
+        for other in area[2:]:
+            grads.add_(other)
+        done = torch.futures.Future()
+        done.set_result(grads)
+        return done
+
+    def wait_for_all(self):
+        # Spin, yielding the core to any process that has work: a process that sleeps (as Gloo's wait
+        # does) can take milliseconds to wake on a virtual machine, longer than the averaging itself.
+        deadline = time.monotonic() + self.timeout
+        while self.arrived.min() < self.calls:
+            if time.monotonic() > deadline:
+                late = [r for r, n in enumerate(self.arrived) if n < self.calls]
+                raise dist.DistError(f"no gradients from rank(s) {late}")
+            os.sched_yield()
+
+
+def keep_freed_memory():
+    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
+    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
+    jemalloc or tcmalloc do the same)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator keeps its own counsel
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+
+
+def release_freed_memory():
+    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
+    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing was kept
+
+
+def keep_pool_gradient_channels_last(model):
+    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
+    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
+    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
+    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
+    output."""
+
+    def on_pooled(module, inputs):
+        pooled = inputs[0]
+        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
+            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+
+    model.dropout1.register_forward_pre_hook(on_pooled)
+
+
+def last_line(error):
+    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return re.sub(r"^\[[^\]]*\] ", "", lines[-1]).split(". ")[0].rstrip(".")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ One process, all of this machine's cores:
 Fashion-MNIST, bfloat16 autocast, a checkpoint after every epoch that a rerun continues from:
     python convnet_undistributed.py --dataset fashion-mnist --amp --epochs 3 --checkpoint ck.pt --resume
 """
+
 import argparse
 import ctypes
 import gzip
@@ -24,10 +25,20 @@ import torch.nn.functional as F
 import torch.optim as optim
 from torchvision import datasets
 
+# ---- 1. Constants -------------------------------------------------------------------------------------------
+
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
-# Test images per forward pass. On a CPU, 128 evaluates about twice as fast as 1000 (its activations stay
-# in cache), and they take 20 MB, not the 150 MB that made evaluation the peak of a run's memory.
+# Test images per forward pass: on a CPU a small batch keeps its activations in cache, and evaluation
+# stays below training in memory.
 TEST_BATCH_SIZE = 128
+# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+DATASETS = {
+    "mnist": (datasets.MNIST, 0.1302, 0.3069),
+    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
+}
+
+
+# ---- 2. The model -------------------------------------------------------------------------------------------
 
 
 class ConvNet(nn.Module):
@@ -46,11 +57,6 @@ class ConvNet(nn.Module):
         x = F.relu(self.conv1(x))
         x = F.relu(self.conv2(x))
         x = F.max_pool2d(x, 2)
-        if x.requires_grad and x.is_contiguous(memory_format=torch.channels_last):
-            # flatten() returns its gradient in NCHW order, and max-pool's CPU backward takes the layout of
-            # its incoming gradient: on a channels-last model it would convert its whole 24x24 gradient to
-            # NCHW and back, 10-15% of a training step. One conversion of the small 12x12 gradient instead.
-            x.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
         x = self.dropout1(x)
         x = torch.flatten(x, 1)
         x = F.relu(self.fc1(x))
@@ -58,42 +64,7 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
-DATASETS = {
-    "mnist": (datasets.MNIST, 0.1302, 0.3069),
-    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
-}
-
-
-def keep_freed_memory():
-    """glibc hands every freed block above 128 KiB back to the system, so each training step maps its
-    activations afresh and faults their pages in again: 14-18% of an epoch on this project's machine.
-    Keep freed blocks for reuse instead (mallopt(3); jemalloc or tcmalloc do the same)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator keeps its own counsel
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
-
-
-def release_freed_memory():
-    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
-    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing was kept
-
-
-def peak_memory_mib():
-    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+# ---- 3. Data ------------------------------------------------------------------------------------------------
 
 
 def raw_folder(args):
@@ -128,8 +99,10 @@ def prepare_data(args):
         DATASETS[args.dataset][0](args.data_dir, download=True)
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        sys.exit(f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-                 f"put the four files {', '.join(names)} there (gzipped or not) and run again")
+        sys.exit(
+            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
+            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
+        )
     finally:
         socket.setdefaulttimeout(None)
 
@@ -140,8 +113,10 @@ def load_data(args):
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        sys.exit(f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-                 "a file there is damaged: replace it")
+        sys.exit(
+            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+            "a file there is damaged: replace it"
+        )
     return train.data, train.targets, test.data, test.targets
 
 
@@ -158,6 +133,47 @@ def epoch_batches(num_samples, epoch, batch_size, seed):
     return order.split(batch_size)
 
 
+# ---- 4. Train and evaluate ----------------------------------------------------------------------------------
+
+
+def train(model, optimizer, data, args):
+    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
+    device = next(model.parameters()).device
+    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
+    start_epoch = resume(model, optimizer, args) if args.resume else 0
+    train_seconds, history = 0.0, []
+    for epoch in range(start_epoch, args.epochs):
+        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken run
+        batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
+        start = time.perf_counter()
+        train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args)
+        train_seconds += time.perf_counter() - start
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
+        release_freed_memory()
+        accuracy = f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)"
+        print(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
+        history.append(
+            {"epoch": epoch, "train_loss": train_loss.item(), "test_loss": test_loss, "test_accuracy": test_accuracy}
+        )
+        if args.checkpoint:
+            save_checkpoint(model, optimizer, epoch, args)
+    if not history:
+        print(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
+    metrics = {
+        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
+        "world_size": 1, "epochs": args.epochs, "epochs_trained": len(history),
+        "batch_size": args.batch_size, "global_batch_size": args.batch_size,
+        "threads": torch.get_num_threads(), "amp": args.amp,
+        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
+        "samples_per_second": len(history) * len(train_labels) / train_seconds if train_seconds else None,
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
+        "peak_rss_mib": peak_memory_mib(), "history": history,
+    }  # fmt: skip
+    report(metrics, args)
+
+
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
     """One pass over the batches; returns the mean training loss (a tensor)."""
     model.train()
@@ -171,8 +187,8 @@ def train_epoch(model, optimizer, images, labels, batches, epoch, args):
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            print(f"epoch: {epoch} [{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]\t"
-                  f" training loss: {loss.item():.6f}", flush=True)
+            progress = f"[{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]"
+            print(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}", flush=True)
     return loss_sum / len(batches)
 
 
@@ -190,6 +206,21 @@ def evaluate(model, images, labels, args):
     return loss_sum / count, correct / count, int(count)
 
 
+# ---- 5. Checkpoint and metrics ------------------------------------------------------------------------------
+
+
+def save_checkpoint(model, optimizer, epoch, args):
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "epoch": epoch,
+        "dataset": args.dataset,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+    }
+    save_atomically(args.checkpoint, lambda f: torch.save(state, f))
+
+
 def save_atomically(path, write):
     """Write path atomically (a temporary file in the same folder, then a rename):
     a run killed mid-write leaves the previous file whole."""
@@ -203,28 +234,6 @@ def save_atomically(path, write):
             os.unlink(f.name)
             raise
     os.replace(f.name, path)
-
-
-def save_checkpoint(model, optimizer, epoch, args):
-    state = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
-             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}}
-    save_atomically(args.checkpoint, lambda f: torch.save(state, f))
-
-
-def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
-        return None
-    try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint")
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
-    if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
-    return state
 
 
 def resume(model, optimizer, args):
@@ -245,46 +254,136 @@ def resume(model, optimizer, args):
     return state["epoch"] + 1
 
 
-def train(model, optimizer, data, args):
-    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
-    device = next(model.parameters()).device
-    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    start_epoch = resume(model, optimizer, args) if args.resume else 0
-    train_seconds, history = 0.0, []
-    for epoch in range(start_epoch, args.epochs):
-        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken run
-        batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
-        start = time.perf_counter()
-        train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args)
-        train_seconds += time.perf_counter() - start
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
-        release_freed_memory()
-        print(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy "
-              f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)")
-        history.append({"epoch": epoch, "train_loss": train_loss.item(),
-                        "test_loss": test_loss, "test_accuracy": test_accuracy})
-        if args.checkpoint:
-            save_checkpoint(model, optimizer, epoch, args)
-    if not history:
-        print(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
-    samples = len(history) * len(train_labels)
-    metrics = {
-        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
-        "world_size": 1, "epochs": args.epochs, "epochs_trained": len(history),
-        "batch_size": args.batch_size, "global_batch_size": args.batch_size,
-        "threads": torch.get_num_threads(), "amp": args.amp,
-        "train_seconds": train_seconds, "total_seconds": time.time() - args.launch_time,
-        "samples_per_second": samples / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "peak_rss_mib": peak_memory_mib(), "history": history,
-    }
-    print(f"Train loop {train_seconds:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
-          f"launch to end {metrics['total_seconds']:.2f} s")
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+def report(metrics, args):
+    """Print the run's speed and write its figures to --metrics-json."""
+    print(
+        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
+        f"launch to end {metrics['total_seconds']:.2f} s"
+    )
     if args.metrics_json:
         save_atomically(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print(f"Finished training in {train_seconds:.2f} secs")
+    print(f"Finished training in {metrics['train_seconds']:.2f} secs")
+
+
+def peak_memory_mib():
+    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+
+
+# ---- 6. Launch and command line -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    try:
+        prepare_data(args)
+        data = load_data(args)
+        torch.manual_seed(args.seed)
+        # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
+        model = ConvNet().to(memory_format=torch.channels_last)
+        keep_pool_gradient_channels_last(model)
+        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+        train(model, optimizer, data, args)
+    except KeyboardInterrupt:
+        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        print(f"Interrupted{checkpoint}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    if args.threads is None:
+        args.threads = default_threads()
+    return args
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A mistake on the command line gets one line naming the flag, not a usage block first."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser():
+    # Flags of two words take the article's spelling too: --batch_size as well as --batch-size.
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    p.add_argument(
+        "--batch-size",
+        "--batch_size",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="images per batch (default: 128)",
+    )
+    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    p.add_argument(
+        "--data-dir",
+        "--data_dir",
+        default="./data",
+        metavar="DIR",
+        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)",
+    )
+    p.add_argument(
+        "--log-interval",
+        "--log_interval",
+        type=positive_int,
+        default=10,
+        metavar="N",
+        help="batches between progress lines (default: 10)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)",
+    )
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    p.add_argument(
+        "--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)",
+    )
+    p.add_argument(
+        "--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)"
+    )
+    return p
 
 
 def positive_int(text):
@@ -301,13 +400,6 @@ def positive_float(text):
     return value
 
 
-def port(text):
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
-    return value
-
-
 def default_threads():
     """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
     if os.environ.get("OMP_NUM_THREADS"):
@@ -315,68 +407,44 @@ def default_threads():
     return len(os.sched_getaffinity(0))
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # A mistake on the command line gets one line naming the flag, not a usage block first.
-    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (see --help)\n")
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    p.add_argument("--batch-size", type=positive_int, default=128, metavar="N",
-                   help="images per batch (default: 128)")
-    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    p.add_argument("--data-dir", default="./data", metavar="DIR",
-                   help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
-    p.add_argument("--log-interval", type=positive_int, default=10, metavar="N",
-                   help="batches between progress lines (default: 10)")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    p.add_argument("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
-    p.add_argument("--metrics-json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
-    return p
+# ---- Speed machinery (can be skipped on a first reading) ----------------------------------------------------
+# What makes the story above run fast on CPUs: the allocator kept warm, and a layout fix for max-pool's backward.
 
 
-def parse_args(argv=None):
-    # The article spells some flags with underscores (--num_machines=2): accept both spellings.
-    argv = sys.argv[1:] if argv is None else argv
-    argv = [a.partition("=")[0].replace("_", "-") + "".join(a.partition("=")[1:]) if a.startswith("--") else a
-            for a in argv]
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint PATH")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    if args.threads is None:
-        args.threads = default_threads()
-    return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    args.launch_time = LAUNCH_TIME
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
+def keep_freed_memory():
+    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
+    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
+    jemalloc or tcmalloc do the same)."""
     try:
-        prepare_data(args)
-        data = load_data(args)
-        torch.manual_seed(args.seed)
-        # Channels-last, the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores):
-        # on this project's 2-core machine a step is 7% faster in float32, 17% faster under --amp.
-        model = ConvNet().to(memory_format=torch.channels_last)
-        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-        train(model, optimizer, data, args)
-    except KeyboardInterrupt:
-        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
-        print(f"Interrupted{checkpoint}", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator keeps its own counsel
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+
+
+def release_freed_memory():
+    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
+    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing was kept
+
+
+def keep_pool_gradient_channels_last(model):
+    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
+    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
+    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
+    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
+    output."""
+
+    def on_pooled(module, inputs):
+        pooled = inputs[0]
+        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
+            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+
+    model.dropout1.register_forward_pre_hook(on_pooled)
 
 
 if __name__ == "__main__":

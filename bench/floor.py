@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
-from convnet_undistributed import (ConvNet, keep_freed_memory, load_data, peak_memory_mib, prepare_data,  # noqa: E402
-                                   to_input)
+from convnet_undistributed import (ConvNet, keep_freed_memory, keep_pool_gradient_channels_last, load_data,  # noqa: E402
+                                   peak_memory_mib, prepare_data, to_input)
 
 
 def build_parser():
@@ -81,6 +81,7 @@ def one_copy(args, copy, start_together=None, results=None):
     torch.manual_seed(args.seed + copy)
     batches, train_size = shard_batches(args)
     model = ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
+    keep_pool_gradient_channels_last(model)
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     if start_together is not None:
         start_together.wait()  # no copy may run alone while another is still loading

@@ -25,8 +25,8 @@ import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchvision import transforms  # noqa: E402
-from convnet_undistributed import (DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads, peak_memory_mib,  # noqa: E402
-                                   prepare_data)
+from convnet_undistributed import (DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads,  # noqa: E402
+                                   keep_pool_gradient_channels_last, peak_memory_mib, prepare_data)
 
 
 def build_parser():
@@ -84,6 +84,7 @@ def main():
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = ConvNet().to(device, memory_format=torch.channels_last)  # as the scripts hold it
+    keep_pool_gradient_channels_last(model)
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
     train_seconds = 0.0

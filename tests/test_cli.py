@@ -99,7 +99,11 @@ def test_every_flag_has_help_ending_with_its_default(module):
         if isinstance(action, argparse._HelpAction):
             continue
         assert "(default: " in action.help and action.help.endswith(")"), f"{action.dest}: {action.help}"
-        assert all(s.startswith("--") and "_" not in s for s in action.option_strings)
+        # Dashes first, as --help lists them; a flag of two words takes the article's underscores too.
+        dashed = action.option_strings[0]
+        assert dashed.startswith("--") and "_" not in dashed
+        underscored = "--" + dashed[2:].replace("-", "_")
+        assert action.option_strings == ([dashed, underscored] if "-" in dashed[2:] else [dashed])
 
 
 def test_help_shows_the_launch_commands():

@@ -1,9 +1,9 @@
 """The GPU script's training, run here on the CPU through its own functions (Gloo for NCCL, CPU for CUDA),
 and its GPU runs, which only a machine with a GPU can do."""
-import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import convnet_distributed_cuda as cuda_script
 from conftest import N_TEST, free_port, read_json, run_script, spawn_bounded, tensors
@@ -11,11 +11,18 @@ from conftest import N_TEST, free_port, read_json, run_script, spawn_bounded, te
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
 
 
-def cuda_worker(local_rank, args):
-    """A spawned rank: the script's one choice of backend and device pointed at Gloo and the CPU."""
-    cuda_script.BACKEND = "gloo"
-    cuda_script.select_device = lambda local_rank: torch.device("cpu")
-    cuda_script.worker(local_rank, args, tensors())
+def worker_on_cpu(local_rank, args):
+    """A rank of the script's own worker, with its one choice of backend and device pointed at Gloo and the CPU."""
+    init_process_group = dist.init_process_group
+
+    def on_gloo(backend, **kwargs):
+        assert backend == "nccl"
+        init_process_group("gloo", **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "init_process_group", on_gloo)
+        patch.setattr(cuda_script, "select_device", lambda local_rank: torch.device("cpu"))
+        cuda_script.worker(local_rank, args, tensors())
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -24,14 +31,11 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     args = cuda_script.parse_args(["--num-gpu-processes", str(processes), "--batch-size", str(128 // processes),
                                    "--metrics-json", str(tmp_path / "m.json"), "--checkpoint", str(tmp_path / "ck.pt")])
-    args.launch_time = time.time()
     if processes == 1:
-        monkeypatch.setattr(cuda_script, "BACKEND", "gloo")
-        monkeypatch.setattr(cuda_script, "select_device", lambda local_rank: torch.device("cpu"))
-        cuda_script.worker(0, args, tensors())
+        worker_on_cpu(0, args)
         assert "Finished training in" in capsys.readouterr().out
     else:
-        spawn_bounded(cuda_worker, (args,), nprocs=processes)
+        spawn_bounded(worker_on_cpu, (args,), nprocs=processes)
     m = read_json(tmp_path / "m.json")
     assert (m["script"], m["world_size"], m["global_batch_size"]) == ("convnet_distributed_cuda.py", processes, 128)
     assert m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8

@@ -54,19 +54,20 @@ def one_step(rank, world_size, port, out, allreduce):
                                            "--allreduce", allreduce])
     torch.manual_seed(0)
     model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
+    convnet_distributed.keep_pool_gradient_channels_last(model)
     model.dropout1.p = model.dropout2.p = 0.0
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     first = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:1]
     initial = copy.deepcopy(model)
-    ddp_model = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
     own_loss = torch.nn.functional.nll_loss(initial(convnet_distributed.to_input(images[first[0]], "mnist")),
                                             labels[first[0]])
     torch.save({"grads": [p.grad for p in model.parameters()], "params": list(model.parameters()),
                 "own_grads": torch.autograd.grad(own_loss, list(initial.parameters())),
-                "indices": first[0], "allreduce": args.allreduce}, os.path.join(out, f"rank{rank}.pt"))
+                "indices": first[0], "allreduce": allreduce}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -81,6 +82,7 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
     args = convnet_undistributed.parse_args(["--log-interval", "1000"])
     torch.manual_seed(0)
     model = convnet_undistributed.ConvNet().to(memory_format=torch.channels_last)
+    convnet_undistributed.keep_pool_gradient_channels_last(model)
     model.dropout1.p = model.dropout2.p = 0.0
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     first = convnet_undistributed.epoch_batches(len(labels), 0, 128, args.seed)[:1]

@@ -15,11 +15,12 @@ import convnet_undistributed
 
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
-SAME_IN_ALL = ["ConvNet", "raw_folder", "unpack", "prepare_data", "load_data", "to_input", "read_checkpoint",
-               "positive_int", "positive_float", "keep_freed_memory", "release_freed_memory", "peak_memory_mib"]
-SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "print0", "save0", "resume", "under_torchrun", "worker", "port",
-                       "default_threads", "open_store", "join_group", "last_line", "interface_addresses",
-                       "choose_gloo_interface", "spawned_worker", "run_workers", "parse_args", "peak_memory_per_rank"]
+SAME_IN_ALL = ["ConvNet", "keep_pool_gradient_channels_last", "raw_folder", "unpack", "prepare_data", "load_data",
+               "to_input", "read_checkpoint", "Parser", "positive_int", "positive_float", "keep_freed_memory",
+               "release_freed_memory", "peak_memory_mib"]
+SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "worker", "print0", "save_checkpoint", "save0", "resume", "report",
+                       "peak_memory_per_rank", "run_workers", "spawned_worker", "under_torchrun", "parse_args", "port",
+                       "default_threads", "rendezvous", "open_store", "last_line"]
 
 
 @pytest.mark.parametrize("name", SAME_IN_ALL)
@@ -72,10 +73,11 @@ def test_convnet_layers_are_the_spec_and_dropout_is_element_wise():
 
 
 def test_channels_last_model_takes_the_same_step_as_a_plain_one():
-    """The model hands max-pool its gradient in channels-last order (a speed fix): the gradients stay the
+    """The scripts hand max-pool its gradient in channels-last order (a speed fix): the gradients stay the
     same as those of the model held in the default layout."""
     plain = convnet_distributed.ConvNet()
     fast = copy.deepcopy(plain).to(memory_format=torch.channels_last)
+    convnet_distributed.keep_pool_gradient_channels_last(fast)
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
     for model in (plain, fast):
         model.eval()  # no dropout: its masks fall differently on the two layouts; the hook acts all the same
