@@ -15,7 +15,6 @@ as 2 processes can be, and the gap between it and the floor is the machine's, no
     python bench/floor.py --dataset fashion-mnist --data-dir data --copies 2
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
+from common import write_json  # noqa: E402
 from convnet_undistributed import (ConvNet, keep_freed_memory, keep_pool_gradient_channels_last, load_data,  # noqa: E402
                                    peak_memory_mib, prepare_data, to_input)
 
@@ -125,8 +125,7 @@ def main():
     print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s){at_once} "
           f"in {seconds:.2f} s")
     if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump(metrics, f, indent=2)
+        write_json(args.metrics_json, metrics)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,13 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
+from common import SCRUBBED_ENV, free_port, positive_int, script_env, write_json  # noqa: F401 (bench/compare.py imports them from here)
 from runner import run_monitored
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -56,9 +56,6 @@ REPO = os.path.dirname(BENCH)
 DISTRIBUTED, BASELINE = "convnet_distributed.py", "convnet_undistributed.py"
 FLOOR, TORCHVISION = "bench/floor.py", "bench/torchvision_reference.py"
 MIB = 2 ** 20
-# Variables that would change what the scripts do: the benchmark measures their defaults.
-SCRUBBED_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -115,25 +112,12 @@ def all_configs(args):
 
 # --- running ------------------------------------------------------------------------------------
 
-def free_port():
-    """A port free now: a fixed one would collide with a run still closing, or with another user."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(config, args, metrics_path):
     argv = [sys.executable, os.path.join(REPO, config.script), *config.flags, "--epochs", str(args.epochs),
             "--dataset", args.dataset, "--data-dir", args.data_dir, "--metrics-json", metrics_path]
     if config.script == DISTRIBUTED:
         argv += ["--master-port", str(free_port())]
     return argv
-
-
-def script_env():
-    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def run_once(config, args, repeat, tmp):
@@ -192,12 +176,6 @@ def measure(args, facts):
                       f"peak RSS per rank {rank_peak_mib(record):.0f} MiB, "
                       f"other programs {record['other_cpu_cores']:.2f} cores", flush=True)
     return records
-
-
-def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
 
 
 # --- summarising --------------------------------------------------------------------------------
@@ -529,13 +507,6 @@ def process_list(text):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected process counts of at least 1, got {text!r}")
     return sorted(set(values))
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser():

@@ -11,7 +11,6 @@ learning rate, batch, test batch and threads; the timed loop is the training alo
     python bench/torchvision_reference.py --dataset fashion-mnist --data-dir data --device cuda
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.optim as optim  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from common import write_json  # noqa: E402
 from torchvision import transforms  # noqa: E402
 from convnet_undistributed import (DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads,  # noqa: E402
                                    keep_pool_gradient_channels_last, peak_memory_mib, prepare_data)
@@ -102,8 +102,7 @@ def main():
     }
     print(f"torchvision reference: train loop {train_seconds:.2f} s, test accuracy {100 * accuracy:.2f}%")
     if args.metrics_json:
-        with open(args.metrics_json, "w") as f:
-            json.dump(metrics, f, indent=2)
+        write_json(args.metrics_json, metrics)
 
 
 if __name__ == "__main__":

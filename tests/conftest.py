@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import threading
-
 import time
 
 import numpy as np
@@ -16,7 +15,6 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # tests import the scripts as modules too: their functions, not copies of them
-SCRIPTS = ["convnet_undistributed.py", "convnet_distributed.py", "convnet_distributed_cuda.py"]
 N_TRAIN, N_TEST = 2560, 300  # N_TEST is not a multiple of 4 or 7: uneven test shards get exercised
 
 FILES = {  # file name: (split, images or labels)
@@ -68,11 +66,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
+LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def script_env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT",
-                                                             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """This process's environment without LAUNCHER_ENV, for the scripts' functions called in-process."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
 def default_ctrl_c():

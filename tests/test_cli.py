@@ -13,13 +13,6 @@ from conftest import run_script, script_env
 ARTICLE_MULTI_MACHINE = "--num_machines=2 --num-processes 8 --machine_id=1 --epochs 1 --batch-size 16".split()
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_article_multi_machine_flags_parse_in_both_spellings(clean_env):
     """The article's commands use --num_machines and --machine_id, which its own parser rejected."""
     underscore = convnet_distributed.parse_args(ARTICLE_MULTI_MACHINE)

@@ -38,10 +38,7 @@ def test_readme_and_docstrings_have_the_launch_commands():
 
 
 @pytest.mark.parametrize("script,flags", commands())
-def test_every_documented_command_parses(script, flags, monkeypatch, tmp_path):
-    for name in ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+def test_every_documented_command_parses(script, flags, clean_env, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     MODULES[script].parse_args(shlex.split(flags))
 
