@@ -14,6 +14,7 @@ as 2 processes can be, and the gap between it and the floor is the machine's, no
     python bench/floor.py --dataset fashion-mnist --data-dir data --metrics-json floor.json
     python bench/floor.py --dataset fashion-mnist --data-dir data --copies 2
 """
+
 import argparse
 import math
 import os
@@ -24,31 +25,50 @@ from types import SimpleNamespace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the model and the data loading of the baseline script, not copies of them
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.optim as optim  # noqa: E402
-from common import write_json  # noqa: E402
-from convnet_undistributed import (ConvNet, keep_freed_memory, keep_pool_gradient_channels_last, load_data,  # noqa: E402
-                                   peak_memory_mib, prepare_data, to_input)
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torch.optim as optim
+
+from common import write_json
+from convnet_undistributed import (
+    ConvNet,
+    keep_freed_memory,
+    keep_pool_gradient_channels_last,
+    load_data,
+    peak_memory_mib,
+    prepare_data,
+    to_input,
+)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist", help="data set (default: mnist)")
-    p.add_argument("--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout "
-                   "(default: ./data)")
-    p.add_argument("--world-size", type=int, default=2, metavar="N",
-                   help="processes of the run whose one rank's work is done here (default: 2)")
+    p.add_argument(
+        "--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout (default: ./data)"
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes of the run whose one rank's work is done here (default: 2)",
+    )
     p.add_argument("--batch-size", type=int, default=64, metavar="N", help="images per step (default: 64)")
     p.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the shard (default: 1)")
     p.add_argument("--threads", type=int, default=1, metavar="N", help="intra-op threads (default: 1)")
     p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--copies", type=int, default=1, metavar="N",
-                   help="run N copies at once, one process each, their loops started together: what N processes "
-                        "cost each other by sharing the machine, with no communication at all; the time reported "
-                        "is the slowest copy's (default: 1)")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N copies at once, one process each, their loops started together: what N processes "
+        "cost each other by sharing the machine, with no communication at all; the time reported "
+        "is the slowest copy's (default: 1)",
+    )
     p.add_argument("--metrics-json", metavar="PATH", help="write the figures here as JSON (default: none)")
     return p
 
@@ -113,17 +133,29 @@ def main():
     copies = run_copies(args) if args.copies > 1 else [one_copy(args, 0)]
     seconds, last_loss, shard_size, steps, train_size, _ = max(copies)  # the slowest copy
     metrics = {
-        "script": "bench/floor.py", "dataset": args.dataset, "world_size": 1, "simulated_world_size": args.world_size,
-        "epochs": args.epochs, "batch_size": args.batch_size, "steps": steps * args.epochs, "copies": args.copies,
+        "script": "bench/floor.py",
+        "dataset": args.dataset,
+        "world_size": 1,
+        "simulated_world_size": args.world_size,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "steps": steps * args.epochs,
+        "copies": args.copies,
         "copy_seconds": [c[0] for c in copies],
-        "threads": args.threads, "train_size": train_size, "train_seconds": seconds,
+        "threads": args.threads,
+        "train_size": train_size,
+        "train_seconds": seconds,
         # As a rank of the simulated run would count it: the whole set passes while each rank does its shard.
-        "samples_per_second": train_size * args.epochs / seconds, "shard_samples": shard_size * args.epochs,
-        "final_train_loss": last_loss, "peak_rss_mib": max(c[5] for c in copies),
+        "samples_per_second": train_size * args.epochs / seconds,
+        "shard_samples": shard_size * args.epochs,
+        "final_train_loss": last_loss,
+        "peak_rss_mib": max(c[5] for c in copies),
     }
     at_once = f", {args.copies} copies at once, the slowest" if args.copies > 1 else ""
-    print(f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s){at_once} "
-          f"in {seconds:.2f} s")
+    print(
+        f"Floor: {metrics['steps']} steps of {args.batch_size} on {metrics['threads']} thread(s){at_once} "
+        f"in {seconds:.2f} s"
+    )
     if args.metrics_json:
         write_json(args.metrics_json, metrics)
 

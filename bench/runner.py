@@ -5,6 +5,7 @@ whole life, as the kernel counts it (wait4(2), what `/usr/bin/time -v` reports):
 RSS counts the shared pages a process has touched, so the ranks of one launch, which share one copy of
 the data set, each count it.
 """
+
 import os
 import resource
 import signal
@@ -38,8 +39,10 @@ def busy_cpu_seconds():
 
 def own_cpu_seconds():
     """CPU time of this process and of its finished children, theirs included (the launcher waits for its ranks)."""
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(
+        resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
 
 
 def tail(f):

@@ -35,6 +35,7 @@ peak of the whole run, exit included, the largest of the launcher and its ranks 
 `/usr/bin/time -v`). Exiting adds about 110 MiB to every process of torch's CUDA build, even on a
 CPU: the CUDA libraries' destructors page in their own code.
 """
+
 import argparse
 import datetime
 import importlib.metadata
@@ -55,12 +56,13 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 DISTRIBUTED, BASELINE = "convnet_distributed.py", "convnet_undistributed.py"
 FLOOR, TORCHVISION = "bench/floor.py", "bench/torchvision_reference.py"
-MIB = 2 ** 20
+MIB = 2**20
 
 
 @dataclass(frozen=True)
 class Config:
     """One command to time: a script and its own flags (the common ones are added at launch)."""
+
     script: str
     flags: tuple = ()
 
@@ -71,27 +73,42 @@ class Config:
 
 # --- the configurations -------------------------------------------------------------------------
 
+
 def scaling_configs(args):
     """processes: the distributed script at that many processes, the global batch kept constant."""
-    return {p: Config(DISTRIBUTED, ("--num-processes", str(p), "--batch-size", str(args.global_batch // p)))
-            for p in args.processes}
+    return {
+        p: Config(DISTRIBUTED, ("--num-processes", str(p), "--batch-size", str(args.global_batch // p)))
+        for p in args.processes
+    }
 
 
 def reference_configs():
     """(label, what it is, config) of the reference table."""
     return [
-        ("a", "floor: one rank's work of a 2-process run, bare loop, 1 thread",
-         Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1"))),
+        (
+            "a",
+            "floor: one rank's work of a 2-process run, bare loop, 1 thread",
+            Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1")),
+        ),
         ("b", "distributed, 2 processes", Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64"))),
-        ("c", "distributed, 1 process, 1 thread",
-         Config(DISTRIBUTED, ("--num-processes", "1", "--threads", "1", "--batch-size", "128"))),
+        (
+            "c",
+            "distributed, 1 process, 1 thread",
+            Config(DISTRIBUTED, ("--num-processes", "1", "--threads", "1", "--batch-size", "128")),
+        ),
         ("d", "baseline", Config(BASELINE, ("--batch-size", "128"))),
         ("e", "torchvision transform + DataLoader", Config(TORCHVISION, ("--batch-size", "128"))),
         ("f", "baseline, bfloat16 autocast", Config(BASELINE, ("--batch-size", "128", "--amp"))),
-        ("g", "distributed, 2 processes, gradients averaged over Gloo (loopback TCP), not shared memory",
-         Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64", "--allreduce", "gloo"))),
-        ("h", "the floor twice at once, one process each, no communication: the slowest of the two",
-         Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1", "--copies", "2"))),
+        (
+            "g",
+            "distributed, 2 processes, gradients averaged over Gloo (loopback TCP), not shared memory",
+            Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64", "--allreduce", "gloo")),
+        ),
+        (
+            "h",
+            "the floor twice at once, one process each, no communication: the slowest of the two",
+            Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1", "--copies", "2")),
+        ),
     ]
 
 
@@ -112,9 +129,21 @@ def all_configs(args):
 
 # --- running ------------------------------------------------------------------------------------
 
+
 def command(config, args, metrics_path):
-    argv = [sys.executable, os.path.join(REPO, config.script), *config.flags, "--epochs", str(args.epochs),
-            "--dataset", args.dataset, "--data-dir", args.data_dir, "--metrics-json", metrics_path]
+    argv = [
+        sys.executable,
+        os.path.join(REPO, config.script),
+        *config.flags,
+        "--epochs",
+        str(args.epochs),
+        "--dataset",
+        args.dataset,
+        "--data-dir",
+        args.data_dir,
+        "--metrics-json",
+        metrics_path,
+    ]
     if config.script == DISTRIBUTED:
         argv += ["--master-port", str(free_port())]
     return argv
@@ -133,17 +162,29 @@ def run_once(config, args, repeat, tmp):
         fail(config, repeat, result, args.timeout)
     with open(metrics_path) as f:
         metrics = json.load(f)
-    return {"config": config.key, "repeat": repeat, "argv": result.argv, "wall_seconds": result.wall_seconds,
-            "peak_rss_run_mib": result.peak_rss / MIB, "other_cpu_cores": result.other_cpu,
-            "metrics": metrics}
+    return {
+        "config": config.key,
+        "repeat": repeat,
+        "argv": result.argv,
+        "wall_seconds": result.wall_seconds,
+        "peak_rss_run_mib": result.peak_rss / MIB,
+        "other_cpu_cores": result.other_cpu,
+        "metrics": metrics,
+    }
 
 
 def fail(config, repeat, result, timeout):
-    why = (f"ran past the {timeout:g} s timeout and was killed" if result.returncode is None
-           else f"exited with status {result.returncode}" if result.returncode
-           else "wrote no metrics file")
-    message = [f"error: {config.key} (repeat {repeat + 1}) {why} after {result.wall_seconds:.1f} s",
-               f"command: {' '.join(result.argv)}"]
+    why = (
+        f"ran past the {timeout:g} s timeout and was killed"
+        if result.returncode is None
+        else f"exited with status {result.returncode}"
+        if result.returncode
+        else "wrote no metrics file"
+    )
+    message = [
+        f"error: {config.key} (repeat {repeat + 1}) {why} after {result.wall_seconds:.1f} s",
+        f"command: {' '.join(result.argv)}",
+    ]
     for name, text in (("stderr", result.stderr_tail), ("stdout", result.stdout_tail)):
         if text.strip():
             message += [f"--- {name}, last lines ---", text]
@@ -165,20 +206,25 @@ def measure(args, facts):
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for repeat in range(args.repeats):
             # Every other repeat backwards: a drift of the host's speed favours neither side of a pair.
-            configs = all_configs(args)[::1 if repeat % 2 == 0 else -1]
+            configs = all_configs(args)[:: 1 if repeat % 2 == 0 else -1]
             for i, config in enumerate(configs):
                 record = run_once(config, args, repeat, tmp)
                 records.append(record)
-                write_json(os.path.join(args.out_dir, "runs.json"),
-                           {"machine": facts, "options": vars(args), "runs": records})
-                print(f"[repeat {repeat + 1}/{args.repeats}, run {i + 1}/{len(configs)}] {config.key}: "
-                      f"train loop {record['metrics']['train_seconds']:.2f} s, "
-                      f"peak RSS per rank {rank_peak_mib(record):.0f} MiB, "
-                      f"other programs {record['other_cpu_cores']:.2f} cores", flush=True)
+                write_json(
+                    os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
+                )
+                print(
+                    f"[repeat {repeat + 1}/{args.repeats}, run {i + 1}/{len(configs)}] {config.key}: "
+                    f"train loop {record['metrics']['train_seconds']:.2f} s, "
+                    f"peak RSS per rank {rank_peak_mib(record):.0f} MiB, "
+                    f"other programs {record['other_cpu_cores']:.2f} cores",
+                    flush=True,
+                )
     return records
 
 
 # --- summarising --------------------------------------------------------------------------------
+
 
 def summarise(records):
     """Per configuration: medians over its repeats."""
@@ -192,6 +238,7 @@ def summary(runs):
     def median(get):
         values = [get(r) for r in runs]
         return None if None in values else statistics.median(values)
+
     return {
         "runs": len(runs),
         "threads": runs[0]["metrics"].get("threads"),
@@ -201,8 +248,11 @@ def summary(runs):
         "test_accuracy": median(lambda r: r["metrics"].get("test_accuracy")),
         "peak_rss_rank_mib": median(rank_peak_mib),
         "peak_rss_run_mib": median(run_peak_mib),
-        "train_size": round(runs[0]["metrics"]["samples_per_second"] * runs[0]["metrics"]["train_seconds"]
-                            / runs[0]["metrics"]["epochs"]),
+        "train_size": round(
+            runs[0]["metrics"]["samples_per_second"]
+            * runs[0]["metrics"]["train_seconds"]
+            / runs[0]["metrics"]["epochs"]
+        ),
     }
 
 
@@ -266,7 +316,7 @@ def median_interval(values, confidence=CONFIDENCE):
     largest, 94%; 10: the second smallest to the second largest, 98%). None for fewer than 5 values at 90%."""
     ordered, n, interval = sorted(values), len(values), None
     for k in range(1, n // 2 + 1):
-        outside = 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n  # k or more values on either side
+        outside = 2 * sum(math.comb(n, i) for i in range(k)) / 2**n  # k or more values on either side
         if 1 - outside < confidence:
             break
         interval = (ordered[k - 1], ordered[n - k])
@@ -276,6 +326,7 @@ def median_interval(values, confidence=CONFIDENCE):
 @dataclass(frozen=True)
 class Target:
     """The values a check passes with: one interval, unbounded at an end left out, open at low where strict."""
+
     text: str
     low: float = -math.inf
     high: float = math.inf
@@ -299,6 +350,7 @@ class Target:
 def targets(records):
     """(check, values per repeat, their median, the median's interval, the value from the medians, target,
     verdict) for each row of the check table; target and verdict are None for a measurement."""
+
     def ratio(x, y, get=train_seconds):
         return compare(records, x, y, get, lambda u, v: u / v)
 
@@ -308,12 +360,17 @@ def targets(records):
         ("(d) / (b): speed-up of 2 processes over the baseline", ratio("d", "b"), Target("> 1", low=1, strict=True)),
         ("(e) / (d): torchvision's data path against the baseline's", ratio("e", "d"), Target("≥ 1.3", low=1.3)),
         ("(d) / (f): speed-up of bfloat16 autocast", ratio("d", "f"), Target("≥ 1.4", low=1.4)),
-        ("(f) − (d): test accuracy under bfloat16 autocast, points",
-         compare(records, "f", "d", accuracy_points, lambda u, v: u - v), Target("within ±0.5", low=-0.5, high=0.5)),
-        ("(b) / (e): peak RSS of a rank against torchvision's data path", ratio("b", "e", rank_peak_mib),
-         Target("≤ 1", high=1)),
-        ("(b) / (e), exit included: the same for the whole run's largest process", ratio("b", "e", run_peak_mib),
-         None),
+        (
+            "(f) − (d): test accuracy under bfloat16 autocast, points",
+            compare(records, "f", "d", accuracy_points, lambda u, v: u - v),
+            Target("within ±0.5", low=-0.5, high=0.5),
+        ),
+        (
+            "(b) / (e): peak RSS of a rank against torchvision's data path",
+            ratio("b", "e", rank_peak_mib),
+            Target("≤ 1", high=1),
+        ),
+        ("(b) / (e), exit included: the same for the whole run's largest process", ratio("b", "e", run_peak_mib), None),
         ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", ratio("h", "a"), None),
         ("(b) / (h): 2 processes against two floors at once (the scripts' share)", ratio("b", "h"), None),
         ("(g) / (b): gradients over Gloo against shared memory", ratio("g", "b"), None),
@@ -321,19 +378,34 @@ def targets(records):
     judged = []
     for check, (paired, from_medians), target in rows:
         median, interval = statistics.median(paired), median_interval(paired)
-        judged.append((check, paired, median, interval, from_medians, target and target.text,
-                       target and target.verdict(median, interval)))
+        judged.append(
+            (
+                check,
+                paired,
+                median,
+                interval,
+                from_medians,
+                target and target.text,
+                target and target.verdict(median, interval),
+            )
+        )
     return judged
 
 
 # --- reporting ----------------------------------------------------------------------------------
 
+
 def machine_facts(args):
     return {
-        "cpu": cpu_model(), "usable_cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),
-        "python": platform.python_version(), "torch": package_version("torch"),
-        "torchvision": package_version("torchvision"), "commit": git_commit(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "dataset": args.dataset,
+        "cpu": cpu_model(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": package_version("torch"),
+        "torchvision": package_version("torchvision"),
+        "commit": git_commit(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "dataset": args.dataset,
         "import_rss_mib": import_rss_mib(),
     }
 
@@ -360,10 +432,16 @@ def package_version(name):
 def git_commit():
     """The commit the scripts were measured at, marked where the working tree differs from it."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + (" (modified)" if dirty else "")) or "unknown"
@@ -377,8 +455,10 @@ def quietness(records, cores):
     """A line on how busy other programs kept the machine during the runs, and a warning where they mattered."""
     worst = max(records, key=lambda r: r["other_cpu_cores"])
     mean = statistics.mean(r["other_cpu_cores"] for r in records)
-    line = (f"Other programs kept {mean:.2f} of {cores} cores busy on average during the runs "
-            f"(at most {worst['other_cpu_cores']:.2f}, during `{worst['config']}`).")
+    line = (
+        f"Other programs kept {mean:.2f} of {cores} cores busy on average during the runs "
+        f"(at most {worst['other_cpu_cores']:.2f}, during `{worst['config']}`)."
+    )
     if worst["other_cpu_cores"] > 0.1 * cores:
         line += " **Warning: the machine was not quiet; the timings are disturbed. Rerun on a quiet machine.**"
     return line
@@ -397,8 +477,11 @@ def header(args, facts, records, train_size):
         quietness(records, facts["usable_cores"]),
     ]
     if train_size < 60000:
-        lines += ["", f"Note: a {train_size:,}-image training set, not the full 60,000: start-up weighs more and "
-                      "the targets below are meant for the full set."]
+        lines += [
+            "",
+            f"Note: a {train_size:,}-image training set, not the full 60,000: start-up weighs more and "
+            "the targets below are meant for the full set.",
+        ]
     return lines
 
 
@@ -416,13 +499,19 @@ def scaling_table(args, rows, facts):
             f"| {r['processes']} | {r['threads']} | {r['train_seconds']:.2f} | {r['samples_per_second']:,.0f} "
             f"| {r['speedup']:.2f}× | {100 * r['efficiency']:.0f}% | {fmt(100 * r['test_accuracy'], '.2f')}% "
             f"| {'–' if r['processes'] == 1 else r['allreduce']} "
-            f"| {r['peak_rss_rank_mib']:.0f} | {r['peak_rss_run_mib']:.0f} |")
-    lines += ["", "Efficiency is speed-up ÷ processes. Peak RSS per rank: the largest rank's, while it worked; "
-                  "exit included: the largest process of the run (with 1 process the launcher is the rank; with "
-                  "more, the ranks share the launcher's copy of the data, and RSS counts it in each)."]
+            f"| {r['peak_rss_rank_mib']:.0f} | {r['peak_rss_run_mib']:.0f} |"
+        )
+    lines += [
+        "",
+        "Efficiency is speed-up ÷ processes. Peak RSS per rank: the largest rank's, while it worked; "
+        "exit included: the largest process of the run (with 1 process the launcher is the rank; with "
+        "more, the ranks share the launcher's copy of the data, and RSS counts it in each).",
+    ]
     if facts["import_rss_mib"]:
-        lines[-1] += (f" For scale: a Python that has only imported torch and torchvision has an RSS of "
-                      f"{facts['import_rss_mib']:.0f} MiB, most of it library pages shared between processes.")
+        lines[-1] += (
+            f" For scale: a Python that has only imported torch and torchvision has an RSS of "
+            f"{facts['import_rss_mib']:.0f} MiB, most of it library pages shared between processes."
+        )
     return lines
 
 
@@ -438,28 +527,41 @@ def reference_table(records, summaries):
     for label, what, config in reference_configs():
         s = summaries[config.key]
         accuracy = "–" if s["test_accuracy"] is None else f"{100 * s['test_accuracy']:.2f}%"
-        lines.append(f"| ({label}) | {what} | `{config.key}` | {s['threads']} | {s['train_seconds']:.2f} "
-                     f"| {s['train_seconds'] / d_seconds:.2f} | {accuracy} | {s['peak_rss_rank_mib']:.0f} "
-                     f"| {s['peak_rss_run_mib']:.0f} |")
-    lines += ["", "Each check is taken within each repeat, between runs a minute apart, and the median of those is "
-                  f"judged. The interval holds the median this machine would give with at least {CONFIDENCE:.0%} "
-                  "probability (the order statistics of the repeats, whatever their distribution); where it reaches "
-                  "across the target, the result is marked inside the noise: a rerun could well give the other "
-                  "answer. The value from the medians of the table above is shown for reference.",
-              "", f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval | from the medians | target | result |",
-              "|---|---|---:|---:|---:|---|---|"]
+        lines.append(
+            f"| ({label}) | {what} | `{config.key}` | {s['threads']} | {s['train_seconds']:.2f} "
+            f"| {s['train_seconds'] / d_seconds:.2f} | {accuracy} | {s['peak_rss_rank_mib']:.0f} "
+            f"| {s['peak_rss_run_mib']:.0f} |"
+        )
+    lines += [
+        "",
+        "Each check is taken within each repeat, between runs a minute apart, and the median of those is "
+        f"judged. The interval holds the median this machine would give with at least {CONFIDENCE:.0%} "
+        "probability (the order statistics of the repeats, whatever their distribution); where it reaches "
+        "across the target, the result is marked inside the noise: a rerun could well give the other "
+        "answer. The value from the medians of the table above is shown for reference.",
+        "",
+        f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval | from the medians | target | result |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
     for check, values, median, interval, from_medians, target, verdict in targets(records):
         span = "–" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
         # The judged median to 3 places: at 2, a median of 1.152 against "≤ 1.15" would read 1.15 and FAIL.
-        lines.append(f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.3f} | {span} "
-                     f"| {from_medians:.2f} | {target or '–'} | {verdict or '–'} |")
+        lines.append(
+            f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.3f} | {span} "
+            f"| {from_medians:.2f} | {target or '–'} | {verdict or '–'} |"
+        )
     return lines
 
 
 def write_markdown(path, args, facts, records, rows, summaries):
     train_size = next(iter(summaries.values()))["train_size"]
-    lines = ["# Scaling of the CPU data-parallel script", "", *header(args, facts, records, train_size), "",
-             *scaling_table(args, rows, facts)]
+    lines = [
+        "# Scaling of the CPU data-parallel script",
+        "",
+        *header(args, facts, records, train_size),
+        "",
+        *scaling_table(args, rows, facts),
+    ]
     if not args.skip_reference:
         lines += ["", *reference_table(records, summaries)]
     with open(path, "w") as f:
@@ -481,13 +583,13 @@ def plot(path, rows, facts):
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     ax.plot([1, top], [1, top], "--", color="grey", label="ideal (speed-up = processes)")
     ax.plot(processes, [r["speedup"] for r in rows], "o-", label="measured (median)")
-    ax.axvline(facts["usable_cores"], color="tab:red", linestyle=":",
-               label=f"usable cores ({facts['usable_cores']})")
+    ax.axvline(facts["usable_cores"], color="tab:red", linestyle=":", label=f"usable cores ({facts['usable_cores']})")
     ax.set_xticks(sorted(set(processes + [facts["usable_cores"]])))
     ax.set_xlabel("processes (global batch kept constant)")
     ax.set_ylabel(f"speed-up of the training loop vs {min(processes)} process(es)")
-    ax.set_title(f"{DISTRIBUTED}, {facts['dataset']}\n{facts['cpu']}, {facts['usable_cores']} usable cores",
-                 fontsize=10)
+    ax.set_title(
+        f"{DISTRIBUTED}, {facts['dataset']}\n{facts['cpu']}, {facts['usable_cores']} usable cores", fontsize=10
+    )
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -499,11 +601,12 @@ def plot(path, rows, facts):
 
 # --- command line -------------------------------------------------------------------------------
 
+
 def process_list(text):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected process counts of at least 1, got {text!r}")
     return sorted(set(values))
@@ -511,28 +614,66 @@ def process_list(text):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["fashion-mnist", "mnist"], default="mnist",
-                   help="data set, passed to every script (default: mnist)")
-    p.add_argument("--data-dir", default="./data", metavar="DIR",
-                   help="data folder in torchvision's layout (DIR/MNIST/raw, DIR/FashionMNIST/raw); a small "
-                        "data set here makes a quick run (default: ./data)")
-    p.add_argument("--processes", type=process_list, default=[1, 2, 4, 8], metavar="P,P,...",
-                   help="process counts of the scaling table (default: 1,2,4,8)")
-    p.add_argument("--global-batch", type=positive_int, default=128, metavar="N",
-                   help="global batch of the scaling table; each of P processes gets N/P (default: 128)")
-    p.add_argument("--repeats", type=positive_int, default=5, metavar="N",
-                   help="runs of each configuration; the tables show medians (default: 5)")
+    p.add_argument(
+        "--dataset",
+        choices=["fashion-mnist", "mnist"],
+        default="mnist",
+        help="data set, passed to every script (default: mnist)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default="./data",
+        metavar="DIR",
+        help="data folder in torchvision's layout (DIR/MNIST/raw, DIR/FashionMNIST/raw); a small "
+        "data set here makes a quick run (default: ./data)",
+    )
+    p.add_argument(
+        "--processes",
+        type=process_list,
+        default=[1, 2, 4, 8],
+        metavar="P,P,...",
+        help="process counts of the scaling table (default: 1,2,4,8)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="global batch of the scaling table; each of P processes gets N/P (default: 128)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        metavar="N",
+        help="runs of each configuration; the tables show medians (default: 5)",
+    )
     p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
-    p.add_argument("--out-dir", default=os.path.join(BENCH, "results"), metavar="DIR",
-                   help="where scaling.md, scaling.png and runs.json go (default: bench/results)")
-    p.add_argument("--skip-reference", action="store_true",
-                   help="measure the scaling table only, not the reference runs (default: off)")
-    p.add_argument("--timeout", type=float, default=1800, metavar="SECONDS",
-                   help="longest a single run may take before it is killed and the benchmark fails "
-                        "(default: 1800)")
-    p.add_argument("--from-runs", nargs="+", metavar="RUNS_JSON",
-                   help="measure nothing: write the report from the runs.json of earlier benchmarks, pooling "
-                        "their repeats where there are several (default: measure)")
+    p.add_argument(
+        "--out-dir",
+        default=os.path.join(BENCH, "results"),
+        metavar="DIR",
+        help="where scaling.md, scaling.png and runs.json go (default: bench/results)",
+    )
+    p.add_argument(
+        "--skip-reference",
+        action="store_true",
+        help="measure the scaling table only, not the reference runs (default: off)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        metavar="SECONDS",
+        help="longest a single run may take before it is killed and the benchmark fails (default: 1800)",
+    )
+    p.add_argument(
+        "--from-runs",
+        nargs="+",
+        metavar="RUNS_JSON",
+        help="measure nothing: write the report from the runs.json of earlier benchmarks, pooling "
+        "their repeats where there are several (default: measure)",
+    )
     return p
 
 
@@ -567,8 +708,11 @@ def load_runs(paths, args):
         facts.append(machine)
         options.append({k: ran_with[k] for k in ("dataset", "epochs", "processes", "global_batch", "skip_reference")})
     if any(o != options[0] for o in options):
-        sys.exit("error: --from-runs: the files measured different configurations (" +
-                 "; ".join(f"{p}: {o}" for p, o in zip(paths, options)) + "): pool only runs of the same benchmark")
+        sys.exit(
+            "error: --from-runs: the files measured different configurations ("
+            + "; ".join(f"{p}: {o}" for p, o in zip(paths, options))
+            + "): pool only runs of the same benchmark"
+        )
     vars(args).update(options[0], repeats=1 + max(r["repeat"] for r in records))
     pooled = dict(facts[0])
     for key in ("commit", "date"):  # where the files differ, name every one
@@ -582,7 +726,9 @@ def main(argv=None):
     if args.from_runs:
         records, facts = load_runs(args.from_runs, args)
         if len(args.from_runs) > 1:  # a new set of runs; one file reported again is left as it was measured
-            write_json(os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records})
+            write_json(
+                os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
+            )
     else:
         facts = machine_facts(args)
         records = measure(args, facts)
@@ -595,9 +741,11 @@ def main(argv=None):
         os.unlink(png)  # an earlier benchmark's plot would pass for this one's
     with open(os.path.join(args.out_dir, "scaling.md")) as f:
         print("\n" + f.read())
-    print(f"Written: {os.path.join(args.out_dir, 'scaling.md')}"
-          + (f", {png}" if plotted else "")
-          + ("" if len(args.from_runs or ()) == 1 else f", {os.path.join(args.out_dir, 'runs.json')}"))
+    print(
+        f"Written: {os.path.join(args.out_dir, 'scaling.md')}"
+        + (f", {png}" if plotted else "")
+        + ("" if len(args.from_runs or ()) == 1 else f", {os.path.join(args.out_dir, 'runs.json')}")
+    )
 
 
 if __name__ == "__main__":

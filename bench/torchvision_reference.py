@@ -10,6 +10,7 @@ learning rate, batch, test batch and threads; the timed loop is the training alo
     python bench/torchvision_reference.py --dataset fashion-mnist --data-dir data --metrics-json ref.json
     python bench/torchvision_reference.py --dataset fashion-mnist --data-dir data --device cuda
 """
+
 import argparse
 import os
 import sys
@@ -19,30 +20,47 @@ from types import SimpleNamespace
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the baseline script's model, not a copy of it
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.optim as optim  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from common import write_json  # noqa: E402
-from torchvision import transforms  # noqa: E402
-from convnet_undistributed import (DATASETS, TEST_BATCH_SIZE, ConvNet, default_threads,  # noqa: E402
-                                   keep_pool_gradient_channels_last, peak_memory_mib, prepare_data)
+import torch
+import torch.nn.functional as F
+import torch.optim as optim
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from common import write_json
+from convnet_undistributed import (
+    DATASETS,
+    TEST_BATCH_SIZE,
+    ConvNet,
+    default_threads,
+    keep_pool_gradient_channels_last,
+    peak_memory_mib,
+    prepare_data,
+)
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    p.add_argument("--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout "
-                   "(default: ./data)")
+    p.add_argument(
+        "--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout (default: ./data)"
+    )
     p.add_argument("--batch-size", type=int, default=128, metavar="N", help="images per batch (default: 128)")
     p.add_argument("--epochs", type=int, default=1, metavar="N", help="epochs to train (default: 1)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="intra-op threads (default: as convnet_undistributed.py: OMP_NUM_THREADS if set, "
-                        "else every usable core)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="intra-op threads (default: as convnet_undistributed.py: OMP_NUM_THREADS if set, else every usable core)",
+    )
     p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where to train; cuda feeds the GPU from pinned memory, as the article does (default: cpu)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where to train; cuda feeds the GPU from pinned memory, as the article does (default: cpu)",
+    )
     p.add_argument("--metrics-json", metavar="PATH", help="write the figures here as JSON (default: none)")
     return p
 
@@ -51,8 +69,7 @@ def datasets_for(args):
     cls, mean, std = DATASETS[args.dataset]
     prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # unpacks .gz files placed by hand
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
-    return (cls(args.data_dir, train=True, transform=transform),
-            cls(args.data_dir, train=False, transform=transform))
+    return (cls(args.data_dir, train=True, transform=transform), cls(args.data_dir, train=False, transform=transform))
 
 
 def train_epoch(model, optimizer, loader, device):
@@ -94,10 +111,18 @@ def main():
         train_seconds += time.perf_counter() - start
     accuracy, test_count = evaluate(model, DataLoader(test_set, batch_size=TEST_BATCH_SIZE), device)
     metrics = {
-        "script": "bench/torchvision_reference.py", "dataset": args.dataset, "world_size": 1, "device": str(device),
-        "epochs": args.epochs, "batch_size": args.batch_size, "threads": torch.get_num_threads(),
-        "train_seconds": train_seconds, "samples_per_second": len(train_set) * args.epochs / train_seconds,
-        "final_train_loss": last_loss, "test_accuracy": accuracy, "test_samples": test_count,
+        "script": "bench/torchvision_reference.py",
+        "dataset": args.dataset,
+        "world_size": 1,
+        "device": str(device),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(),
+        "train_seconds": train_seconds,
+        "samples_per_second": len(train_set) * args.epochs / train_seconds,
+        "final_train_loss": last_loss,
+        "test_accuracy": accuracy,
+        "test_samples": test_count,
         "peak_rss_mib": peak_memory_mib(),
     }
     print(f"torchvision reference: train loop {train_seconds:.2f} s, test accuracy {100 * accuracy:.2f}%")

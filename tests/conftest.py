@@ -1,4 +1,5 @@
 """Shared fixtures: small MNIST-format data sets, free ports, and running a script as a user would."""
+
 import gzip
 import json
 import os
@@ -18,8 +19,10 @@ sys.path.insert(0, REPO)  # tests import the scripts as modules too: their funct
 N_TRAIN, N_TEST = 2560, 300  # N_TEST is not a multiple of 4 or 7: uneven test shards get exercised
 
 FILES = {  # file name: (split, images or labels)
-    "train-images-idx3-ubyte": ("train", "images"), "train-labels-idx1-ubyte": ("train", "labels"),
-    "t10k-images-idx3-ubyte": ("test", "images"), "t10k-labels-idx1-ubyte": ("test", "labels"),
+    "train-images-idx3-ubyte": ("train", "images"),
+    "train-labels-idx1-ubyte": ("train", "labels"),
+    "t10k-images-idx3-ubyte": ("test", "images"),
+    "t10k-labels-idx1-ubyte": ("test", "labels"),
 }
 
 
@@ -92,8 +95,16 @@ def default_ctrl_c():
 def launch(script, *args, env=None, python_flags=(), cwd=None):
     """Start a script as a user would; returns the Popen."""
     cmd = [sys.executable, *python_flags, os.path.join(REPO, script), *map(str, args)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or script_env(), cwd=cwd, start_new_session=True, preexec_fn=default_ctrl_c)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or script_env(),
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=default_ctrl_c,
+    )
 
 
 def finish(proc, timeout=120):
@@ -142,6 +153,7 @@ def read_json(path):
 def spawn_bounded(fn, args, nprocs, timeout=120):
     """torch.multiprocessing.spawn, with a deadline: a hung rank fails the test instead of hanging it."""
     import torch.multiprocessing as mp
+
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -154,5 +166,6 @@ def spawn_bounded(fn, args, nprocs, timeout=120):
 def tensors(n_train=N_TRAIN, n_test=N_TEST):
     """The fixture's data as the scripts hold it: uint8 images and int64 labels, train then test."""
     import torch
+
     (a, b), (c, d) = make_split(n_train, 1), make_split(n_test, 2)
     return (torch.from_numpy(a), torch.from_numpy(b).long(), torch.from_numpy(c), torch.from_numpy(d).long())

@@ -1,4 +1,5 @@
 """bench/scaling.py, the benchmark a user runs, on the small generated data: it writes its tables, plot and runs."""
+
 import json
 import math
 import os
@@ -12,14 +13,28 @@ import pytest
 from conftest import N_TRAIN, REPO, script_env
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
-import scaling  # noqa: E402
+import scaling
 
 
 @pytest.mark.timeout(900)
 def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     out = tmp_path / "results"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "scaling.py"), "--dataset", "mnist", "--data-dir", data_dir,
-           "--processes", "1,2", "--repeats", "1", "--out-dir", str(out), "--timeout", "300"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "bench", "scaling.py"),
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        data_dir,
+        "--processes",
+        "1,2",
+        "--repeats",
+        "1",
+        "--out-dir",
+        str(out),
+        "--timeout",
+        "300",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=script_env(), timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]
     table = (out / "scaling.md").read_text()
@@ -54,9 +69,18 @@ def test_targets_are_judged_within_each_repeat():
     for repeat, slow in enumerate([1.0, 1.5, 1.0]):
         for label, seconds in {"a": 10, "b": 11, "c": 20, "d": 12, "e": 25, "f": 8, "g": 13, "h": 10.5}.items():
             extra = 3 if (repeat, label) == (2, "b") else 0  # one disturbed run
-            records.append({"config": keys[label], "repeat": repeat, "peak_rss_run_mib": 1000,
-                            "metrics": {"train_seconds": seconds * slow + extra, "test_accuracy": 0.86,
-                                        "peak_rss_mib_per_rank": [900, 950]}})
+            records.append(
+                {
+                    "config": keys[label],
+                    "repeat": repeat,
+                    "peak_rss_run_mib": 1000,
+                    "metrics": {
+                        "train_seconds": seconds * slow + extra,
+                        "test_accuracy": 0.86,
+                        "peak_rss_mib_per_rank": [900, 950],
+                    },
+                }
+            )
     rows = {check.split(":")[0]: rest for check, *rest in scaling.targets(records)}
     values, median, interval, from_medians, target, verdict = rows["(b) / (a)"]
     assert values == pytest.approx([1.1, 1.1, 1.4]) and median == pytest.approx(1.1)
@@ -64,7 +88,9 @@ def test_targets_are_judged_within_each_repeat():
     assert from_medians == pytest.approx(14 / 10)  # medians of b (11, 16.5, 14) and a (10, 15, 10)
     assert rows["(d) / (f)"][1] == pytest.approx(1.5) and rows["(d) / (f)"][5].startswith("PASS")
     assert rows["(f) − (d)"][1] == 0 and rows["(f) − (d)"][5].startswith("PASS")
-    assert rows["(b) / (e)"][1] == pytest.approx(1.0) and rows["(b) / (e)"][5].startswith("PASS")  # a rank's largest peak
+    assert rows["(b) / (e)"][1] == pytest.approx(1.0) and rows["(b) / (e)"][5].startswith(
+        "PASS"
+    )  # a rank's largest peak
     assert rows["(b) / (e), exit included"][1] == pytest.approx(1.0)
     assert rows["(b) / (e), exit included"][4:] == rows["(h) / (a)"][4:] == [None, None]  # measurements, not targets
 
@@ -81,10 +107,16 @@ def test_the_median_interval_holds_the_median_with_at_least_90_percent():
     assert 0.96 < held < 0.995  # 97.9% in theory
 
 
-@pytest.mark.parametrize("median, interval, verdict", [
-    (1.12, (1.05, 1.14), "PASS"), (1.20, (1.16, 1.30), "FAIL"), (1.12, (1.10, 1.20), "PASS, inside the noise"),
-    (1.17, (1.10, 1.20), "FAIL, inside the noise"), (1.12, None, "PASS, too few repeats to tell from noise"),
-])
+@pytest.mark.parametrize(
+    "median, interval, verdict",
+    [
+        (1.12, (1.05, 1.14), "PASS"),
+        (1.20, (1.16, 1.30), "FAIL"),
+        (1.12, (1.10, 1.20), "PASS, inside the noise"),
+        (1.17, (1.10, 1.20), "FAIL, inside the noise"),
+        (1.12, None, "PASS, too few repeats to tell from noise"),
+    ],
+)
 def test_a_verdict_says_when_the_interval_reaches_across_the_target(median, interval, verdict):
     assert scaling.Target("≤ 1.15", high=1.15).verdict(median, interval) == verdict
 
@@ -114,12 +146,35 @@ def saved_benchmark(path, repeats, b_seconds, commit):
     for repeat in range(repeats):
         for config in scaling.all_configs(args):
             train = seconds.get(labels.get(config.key), 15)
-            runs.append({"config": config.key, "repeat": repeat, "peak_rss_run_mib": 1000, "other_cpu_cores": 0.01,
-                         "metrics": {"train_seconds": train, "samples_per_second": 60000 / train, "epochs": 1,
-                                     "threads": 1, "allreduce": "shared-memory", "test_accuracy": 0.86,
-                                     "peak_rss_mib_per_rank": [900]}})
-    machine = {"cpu": "test CPU", "usable_cores": 2, "logical_cpus": 2, "python": "3", "torch": "2", "torchvision": "0",
-               "commit": commit, "date": f"date of {commit}", "dataset": "fashion-mnist", "import_rss_mib": 600}
+            runs.append(
+                {
+                    "config": config.key,
+                    "repeat": repeat,
+                    "peak_rss_run_mib": 1000,
+                    "other_cpu_cores": 0.01,
+                    "metrics": {
+                        "train_seconds": train,
+                        "samples_per_second": 60000 / train,
+                        "epochs": 1,
+                        "threads": 1,
+                        "allreduce": "shared-memory",
+                        "test_accuracy": 0.86,
+                        "peak_rss_mib_per_rank": [900],
+                    },
+                }
+            )
+    machine = {
+        "cpu": "test CPU",
+        "usable_cores": 2,
+        "logical_cpus": 2,
+        "python": "3",
+        "torch": "2",
+        "torchvision": "0",
+        "commit": commit,
+        "date": f"date of {commit}",
+        "dataset": "fashion-mnist",
+        "import_rss_mib": 600,
+    }
     path.write_text(json.dumps({"machine": machine, "options": vars(args), "runs": runs}))
     return str(path)
 
@@ -129,7 +184,9 @@ def test_earlier_benchmarks_are_reported_again_and_pooled_without_measuring(tmp_
     second = saved_benchmark(tmp_path / "second.json", 3, 12.0, "bbbbbbb")
     scaling.main(["--from-runs", first, second, "--out-dir", str(tmp_path / "pooled")])
     table = (tmp_path / "pooled" / "scaling.md").read_text()
-    assert "commit aaaaaaa, bbbbbbb" in table and "median of 5 run(s) per row" in table and "2 benchmarks, pooled" in table
+    assert (
+        "commit aaaaaaa, bbbbbbb" in table and "median of 5 run(s) per row" in table and "2 benchmarks, pooled" in table
+    )
     # 5 repeats: 1.1, 1.1, 1.2, 1.2, 1.2 against the floor; the median fails, the interval reaches across 1.15
     assert "| 1.10, 1.10, 1.20, 1.20, 1.20 | 1.200 | 1.10 to 1.20 |" in table and "FAIL, inside the noise" in table
     pooled = json.loads((tmp_path / "pooled" / "runs.json").read_text())
@@ -142,7 +199,10 @@ def test_one_benchmark_reported_again_in_its_own_folder_keeps_its_runs_as_measur
     scaling.main(["--from-runs", measured, "--out-dir", str(tmp_path)])
     assert (tmp_path / "runs.json").read_bytes() == before
     # The judged median to 3 places: 1.152 against "≤ 1.15" fails, and must not read 1.15
-    assert "| 1.152 | – | 1.15 | ≤ 1.15 | FAIL, too few repeats to tell from noise |" in (tmp_path / "scaling.md").read_text()
+    assert (
+        "| 1.152 | – | 1.15 | ≤ 1.15 | FAIL, too few repeats to tell from noise |"
+        in (tmp_path / "scaling.md").read_text()
+    )
 
 
 def test_benchmarks_of_different_configurations_are_not_pooled(tmp_path):

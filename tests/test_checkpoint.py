@@ -1,4 +1,5 @@
 """--checkpoint and --resume: rank 0 saves after every epoch, atomically; a rerun continues where it stopped."""
+
 import pytest
 import torch
 
@@ -8,8 +9,9 @@ from conftest import free_port, read_json, run_script
 
 def train(script, data_dir, tmp_path, *args, name="m.json"):
     extra = ["--master-port", free_port()] if script != "convnet_undistributed.py" else []
-    return run_script(script, "--data-dir", data_dir, "--batch-size", 64, "--metrics-json", tmp_path / name,
-                      *extra, *args)
+    return run_script(
+        script, "--data-dir", data_dir, "--batch-size", 64, "--metrics-json", tmp_path / name, *extra, *args
+    )
 
 
 @pytest.mark.parametrize("script,processes", [("convnet_undistributed.py", 1), ("convnet_distributed.py", 2)])
@@ -41,8 +43,10 @@ def test_resumed_run_ends_where_an_unbroken_run_ends(data_dir, tmp_path, script,
     assert read_json(tmp_path / "c.json")["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("content,processes", [(b"", 1), (b"not a checkpoint at all", 1), ("truncated", 1),
-                                               ("foreign", 1), ("other-dataset", 2)])
+@pytest.mark.parametrize(
+    "content,processes",
+    [(b"", 1), (b"not a checkpoint at all", 1), ("truncated", 1), ("foreign", 1), ("other-dataset", 2)],
+)
 def test_bad_checkpoint_is_a_clear_error_and_is_left_alone(data_dir, tmp_path, content, processes):
     """Rank 0 reads the file and tells every rank: with 2 processes, rank 1 stops quietly too."""
     ck = tmp_path / "ck.pt"
@@ -56,8 +60,9 @@ def test_bad_checkpoint_is_a_clear_error_and_is_left_alone(data_dir, tmp_path, c
         torch.save({"format": convnet_distributed.CHECKPOINT_FORMAT, "dataset": "fashion-mnist", "epoch": 0}, ck)
         content = ck.read_bytes()
     ck.write_bytes(content)
-    result = train("convnet_distributed.py", data_dir, tmp_path, "--num-processes", processes,
-                   "--checkpoint", ck, "--resume")
+    result = train(
+        "convnet_distributed.py", data_dir, tmp_path, "--num-processes", processes, "--checkpoint", ck, "--resume"
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -68,8 +73,16 @@ def test_bad_checkpoint_is_a_clear_error_and_is_left_alone(data_dir, tmp_path, c
 
 def test_checkpoint_of_another_model_does_not_fit(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
-    torch.save({"format": convnet_distributed.CHECKPOINT_FORMAT, "dataset": "mnist", "epoch": 0,
-                "model": {"fc.weight": torch.zeros(2)}, "optimizer": {}}, ck)
+    torch.save(
+        {
+            "format": convnet_distributed.CHECKPOINT_FORMAT,
+            "dataset": "mnist",
+            "epoch": 0,
+            "model": {"fc.weight": torch.zeros(2)},
+            "optimizer": {},
+        },
+        ck,
+    )
     result = train("convnet_undistributed.py", data_dir, tmp_path, "--checkpoint", ck, "--resume")
     assert result.returncode == 1 and "does not fit this model" in result.stderr and "Traceback" not in result.stderr
 

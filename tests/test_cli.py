@@ -1,4 +1,5 @@
 """Command lines: the article's spellings, defaults read from the environment, ranks and threads."""
+
 import argparse
 import os
 
@@ -34,9 +35,19 @@ def test_master_address_and_port_come_from_flags_then_environment(clean_env, mon
     assert (flags.master_addr, flags.master_port) == ("10.9.9.9", 1234)
 
 
-@pytest.mark.parametrize("argv", [["--machine-id", "2", "--num-machines", "2"], ["--machine-id", "-1"],
-                                  ["--num-processes", "0"], ["--batch-size", "0"], ["--master-port", "70000"],
-                                  ["--lr", "0"], ["--resume"], ["--epochs", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--machine-id", "2", "--num-machines", "2"],
+        ["--machine-id", "-1"],
+        ["--num-processes", "0"],
+        ["--batch-size", "0"],
+        ["--master-port", "70000"],
+        ["--lr", "0"],
+        ["--resume"],
+        ["--epochs", "x"],
+    ],
+)
 def test_bad_command_lines_are_usage_errors(clean_env, argv, capsys):
     with pytest.raises(SystemExit) as exit:
         convnet_distributed.parse_args(argv)
@@ -106,14 +117,26 @@ def test_help_shows_the_launch_commands():
     assert "torchrun --nproc-per-node" in result.stdout
 
 
-@pytest.mark.parametrize("flags,message", [(["--num-processes", "4"], "--num-processes 4 disagrees with torchrun"),
-                                           (["--num-machines", "1"], "--num-machines 1 disagrees"),
-                                           (["--machine-id", "0"], "--machine-id 0 disagrees"),
-                                           (["--master-port", "1234"], "--master-port 1234 disagrees")])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-processes", "4"], "--num-processes 4 disagrees with torchrun"),
+        (["--num-machines", "1"], "--num-machines 1 disagrees"),
+        (["--machine-id", "0"], "--machine-id 0 disagrees"),
+        (["--master-port", "1234"], "--master-port 1234 disagrees"),
+    ],
+)
 def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, capsys, flags, message):
     """torchrun --nnodes 2 --nproc-per-node 2, node 1: its environment decides; a flag saying otherwise is a mistake."""
-    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
-                            MASTER_ADDR="10.0.0.1", MASTER_PORT="29500").items():
+    for name, value in dict(
+        RANK="3",
+        WORLD_SIZE="4",
+        LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="2",
+        GROUP_RANK="1",
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT="29500",
+    ).items():
         monkeypatch.setenv(name, value)
     args = convnet_distributed.parse_args(["--num-processes", "2", "--num-machines", "2", "--machine-id", "1"])
     assert (args.num_processes, args.num_machines, args.machine_id) == (2, 2, 1)

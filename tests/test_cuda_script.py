@@ -29,8 +29,18 @@ def worker_on_cpu(local_rank, args):
 def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, monkeypatch, capsys, processes):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    args = cuda_script.parse_args(["--num-gpu-processes", str(processes), "--batch-size", str(128 // processes),
-                                   "--metrics-json", str(tmp_path / "m.json"), "--checkpoint", str(tmp_path / "ck.pt")])
+    args = cuda_script.parse_args(
+        [
+            "--num-gpu-processes",
+            str(processes),
+            "--batch-size",
+            str(128 // processes),
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+            "--checkpoint",
+            str(tmp_path / "ck.pt"),
+        ]
+    )
     if processes == 1:
         worker_on_cpu(0, args)
         assert "Finished training in" in capsys.readouterr().out
@@ -45,8 +55,19 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
 
 @needs_gpu
 def test_one_gpu_epoch(data_dir, tmp_path):
-    result = run_script("convnet_distributed_cuda.py", "--num-gpu-processes", 1, "--batch-size", 128,
-                        "--data-dir", data_dir, "--master-port", free_port(), "--metrics-json", tmp_path / "m.json")
+    result = run_script(
+        "convnet_distributed_cuda.py",
+        "--num-gpu-processes",
+        1,
+        "--batch-size",
+        128,
+        "--data-dir",
+        data_dir,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        tmp_path / "m.json",
+    )
     assert result.returncode == 0, result.stderr
     m = read_json(tmp_path / "m.json")
     assert m["device"].startswith("cuda") and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
@@ -54,14 +75,28 @@ def test_one_gpu_epoch(data_dir, tmp_path):
 
 @needs_gpu
 def test_every_gpu_by_default(data_dir, tmp_path):
-    result = run_script("convnet_distributed_cuda.py", "--data-dir", data_dir, "--master-port", free_port(),
-                        "--metrics-json", tmp_path / "m.json", timeout=300)
+    result = run_script(
+        "convnet_distributed_cuda.py",
+        "--data-dir",
+        data_dir,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        tmp_path / "m.json",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert read_json(tmp_path / "m.json")["world_size"] == torch.cuda.device_count()
 
 
 @needs_gpu
 def test_more_gpu_processes_than_gpus_is_a_clear_error(data_dir):
-    result = run_script("convnet_distributed_cuda.py", "--num-gpu-processes", torch.cuda.device_count() + 1,
-                        "--data-dir", data_dir, timeout=60)
+    result = run_script(
+        "convnet_distributed_cuda.py",
+        "--num-gpu-processes",
+        torch.cuda.device_count() + 1,
+        "--data-dir",
+        data_dir,
+        timeout=60,
+    )
     assert result.returncode == 1 and "GPU" in result.stderr and "Traceback" not in result.stderr

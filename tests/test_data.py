@@ -1,4 +1,5 @@
 """Data without a network: files placed by hand, a clear line when they are missing, one download per machine."""
+
 import http.server
 import os
 import shutil
@@ -13,8 +14,9 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 
 def test_gzipped_files_placed_by_hand_are_unpacked_and_used(tmp_path):
     write_dataset(str(tmp_path), gz=True)
-    result = run_script("convnet_undistributed.py", "--data-dir", tmp_path, "--batch-size", 64,
-                        "--metrics-json", tmp_path / "m.json")
+    result = run_script(
+        "convnet_undistributed.py", "--data-dir", tmp_path, "--batch-size", 64, "--metrics-json", tmp_path / "m.json"
+    )
     assert result.returncode == 0, result.stderr
     assert read_json(tmp_path / "m.json")["test_samples"] == N_TEST
     assert sorted(os.listdir(tmp_path / "MNIST" / "raw")) == sorted(list(FILES) + [f + ".gz" for f in FILES])
@@ -22,6 +24,7 @@ def test_gzipped_files_placed_by_hand_are_unpacked_and_used(tmp_path):
 
 class CountingProxy(http.server.BaseHTTPRequestHandler):
     """An HTTP proxy that counts requests and has nothing: the internet, as seen from an offline machine."""
+
     requests = []
 
     def answer(self):
@@ -48,8 +51,19 @@ def offline_proxy():
 def test_missing_data_offline_is_one_clear_line_and_one_download_per_machine(tmp_path, offline_proxy, processes):
     """The article had every process download into one folder at once. Here the launching process fetches
     the files before any worker starts, so 2 processes make exactly the requests that 1 makes."""
-    result = run_script("convnet_distributed.py", "--dataset", "fashion-mnist", "--data-dir", tmp_path,
-                        "--num-processes", processes, "--master-port", free_port(), env=offline_proxy, timeout=90)
+    result = run_script(
+        "convnet_distributed.py",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        tmp_path,
+        "--num-processes",
+        processes,
+        "--master-port",
+        free_port(),
+        env=offline_proxy,
+        timeout=90,
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -78,16 +92,34 @@ def test_data_dir_that_is_a_file_is_a_usage_error(tmp_path):
     assert result.returncode == 2 and "--data-dir" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(not os.path.isdir(FASHION), reason="Debian's dataset-fashion-mnist is not installed "
-                    "(apt-get install dataset-fashion-mnist); .ci/run installs it")
+@pytest.mark.skipif(
+    not os.path.isdir(FASHION),
+    reason="Debian's dataset-fashion-mnist is not installed "
+    "(apt-get install dataset-fashion-mnist); .ci/run installs it",
+)
 def test_real_fashion_mnist_one_epoch_two_processes(tmp_path):
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
     for name in FILES:  # their checksums differ from torchvision's list: placed by hand, not downloaded
         shutil.copy(os.path.join(FASHION, name + ".gz"), raw)
-    result = run_script("convnet_distributed.py", "--dataset", "fashion-mnist", "--data-dir", tmp_path,
-                        "--num-processes", 2, "--batch-size", 64, "--log-interval", 100,
-                        "--master-port", free_port(), "--metrics-json", tmp_path / "m.json", timeout=400)
+    result = run_script(
+        "convnet_distributed.py",
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        tmp_path,
+        "--num-processes",
+        2,
+        "--batch-size",
+        64,
+        "--log-interval",
+        100,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        tmp_path / "m.json",
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr
     m = read_json(tmp_path / "m.json")
     assert (m["world_size"], m["test_samples"]) == (2, 10000)

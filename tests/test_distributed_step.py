@@ -1,4 +1,5 @@
 """What data parallelism promises, checked in-process with Gloo: the sampler's shards, and DDP's averaging."""
+
 import copy
 import glob
 import os
@@ -18,9 +19,14 @@ from conftest import free_port, spawn_bounded, tensors
 def shards(world_size, epoch, n=1000, batch_size=10):
     """Every rank's indices for one epoch, through the script's own epoch_batches."""
     labels = torch.zeros(n)
-    return [torch.cat(convnet_distributed.epoch_batches(
-        DistributedSampler(labels, num_replicas=world_size, rank=r, shuffle=True, seed=0), epoch, batch_size)).tolist()
-        for r in range(world_size)]
+    return [
+        torch.cat(
+            convnet_distributed.epoch_batches(
+                DistributedSampler(labels, num_replicas=world_size, rank=r, shuffle=True, seed=0), epoch, batch_size
+            )
+        ).tolist()
+        for r in range(world_size)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -50,8 +56,9 @@ def one_step(rank, world_size, port, out, allreduce):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     images, labels, _, _ = tensors()
-    args = convnet_distributed.parse_args(["--batch-size", str(128 // world_size), "--log-interval", "1000",
-                                           "--allreduce", allreduce])
+    args = convnet_distributed.parse_args(
+        ["--batch-size", str(128 // world_size), "--log-interval", "1000", "--allreduce", allreduce]
+    )
     torch.manual_seed(0)
     model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)  # as the scripts hold it
     convnet_distributed.keep_pool_gradient_channels_last(model)
@@ -63,16 +70,25 @@ def one_step(rank, world_size, port, out, allreduce):
     ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
-    own_loss = torch.nn.functional.nll_loss(initial(convnet_distributed.to_input(images[first[0]], "mnist")),
-                                            labels[first[0]])
-    torch.save({"grads": [p.grad for p in model.parameters()], "params": list(model.parameters()),
-                "own_grads": torch.autograd.grad(own_loss, list(initial.parameters())),
-                "indices": first[0], "allreduce": allreduce}, os.path.join(out, f"rank{rank}.pt"))
+    own_loss = torch.nn.functional.nll_loss(
+        initial(convnet_distributed.to_input(images[first[0]], "mnist")), labels[first[0]]
+    )
+    torch.save(
+        {
+            "grads": [p.grad for p in model.parameters()],
+            "params": list(model.parameters()),
+            "own_grads": torch.autograd.grad(own_loss, list(initial.parameters())),
+            "indices": first[0],
+            "allreduce": allreduce,
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world_size, allreduce, used", [(2, "auto", "shared-memory"), (2, "gloo", "gloo"),
-                                                       (4, "auto", "shared-memory")])
+@pytest.mark.parametrize(
+    "world_size, allreduce, used", [(2, "auto", "shared-memory"), (2, "gloo", "gloo"), (4, "auto", "shared-memory")]
+)
 def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_path, world_size, allreduce, used):
     """DDP averages gradients: 2 ranks x 64 images (or 4 x 32) step as the baseline's 128 images do,
     whether the gradients go through shared memory or over Gloo."""
@@ -95,8 +111,9 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
     # The shards are the baseline's batch of 128, split between the ranks.
     assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
     for rank in ranks:
-        for p, g, p_ddp, g_ddp in zip(model.parameters(), (p.grad for p in model.parameters()),
-                                      rank["params"], rank["grads"]):
+        for p, g, p_ddp, g_ddp in zip(
+            model.parameters(), (p.grad for p in model.parameters()), rank["params"], rank["grads"]
+        ):
             torch.testing.assert_close(g_ddp, g, rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(p_ddp, p, rtol=1e-4, atol=1e-6)
         # The equality is the averaging's doing: a rank's own gradient is far from the baseline's.

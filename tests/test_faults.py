@@ -1,5 +1,6 @@
 """Faults a distributed job meets and a single process never does: each ends the whole job, within a bound,
 with a message naming the cause, and loses no finished work."""
+
 import os
 import signal
 import socket
@@ -19,9 +20,26 @@ pytestmark = pytest.mark.timeout(300)
 
 def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=20):
     """A launch of the CPU script, 20 batches an epoch per rank, as one machine of a job."""
-    return launch("convnet_distributed.py", "--data-dir", data_dir, "--num-processes", processes,
-                  "--batch-size", 128 // (processes * machines), "--num-machines", machines, "--machine-id", machine,
-                  "--master-port", port or free_port(), "--timeout", timeout, "--log-interval", 1, *args)
+    return launch(
+        "convnet_distributed.py",
+        "--data-dir",
+        data_dir,
+        "--num-processes",
+        processes,
+        "--batch-size",
+        128 // (processes * machines),
+        "--num-machines",
+        machines,
+        "--machine-id",
+        machine,
+        "--master-port",
+        port or free_port(),
+        "--timeout",
+        timeout,
+        "--log-interval",
+        1,
+        *args,
+    )
 
 
 def workers(proc):
@@ -66,13 +84,26 @@ def assert_clean_failure(result, *phrases):
 
 # Bad input: one line, the flag named, exit status 2, nothing started.
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--num-processes", "0"], "--num-processes"), (["--num-machines", "0"], "--num-machines"),
-    (["--epochs", "0"], "--epochs"), (["--batch-size", "-3"], "--batch-size"), (["--threads", "0"], "--threads"),
-    (["--log-interval", "0"], "--log-interval"), (["--lr", "0"], "--lr"), (["--lr", "nan"], "--lr"),
-    (["--master-port", "0"], "--master-port"), (["--master-port", "65536"], "--master-port"),
-    (["--machine-id", "-1"], "--machine-id"), (["--num-machines", "2", "--machine-id", "2"], "--machine-id"),
-    (["--timeout", "0"], "--timeout"), (["--epochs", "two"], "--epochs")])
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--num-processes", "0"], "--num-processes"),
+        (["--num-machines", "0"], "--num-machines"),
+        (["--epochs", "0"], "--epochs"),
+        (["--batch-size", "-3"], "--batch-size"),
+        (["--threads", "0"], "--threads"),
+        (["--log-interval", "0"], "--log-interval"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--master-port", "0"], "--master-port"),
+        (["--master-port", "65536"], "--master-port"),
+        (["--machine-id", "-1"], "--machine-id"),
+        (["--num-machines", "2", "--machine-id", "2"], "--machine-id"),
+        (["--timeout", "0"], "--timeout"),
+        (["--epochs", "two"], "--epochs"),
+    ],
+)
 def test_out_of_range_numbers_are_one_line_naming_the_flag(argv, flag, capsys, monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(SystemExit) as exit:
@@ -83,8 +114,9 @@ def test_out_of_range_numbers_are_one_line_naming_the_flag(argv, flag, capsys, m
 
 
 def test_master_port_in_the_environment_that_is_not_a_number(tmp_path):
-    result = finish(launch("convnet_distributed.py", "--data-dir", tmp_path, env=script_env(MASTER_PORT="http")),
-                    timeout=60)
+    result = finish(
+        launch("convnet_distributed.py", "--data-dir", tmp_path, env=script_env(MASTER_PORT="http")), timeout=60
+    )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "MASTER_PORT='http'" in result.stderr
     assert not os.listdir(tmp_path)  # nothing started: no download
@@ -93,13 +125,16 @@ def test_master_port_in_the_environment_that_is_not_a_number(tmp_path):
 @pytest.mark.parametrize("script", ["convnet_undistributed.py", "convnet_distributed.py"])
 def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path):
     (tmp_path / "not-a-folder").write_text("")
-    result = finish(launch(script, "--data-dir", tmp_path / "not-a-folder", "--metrics-json",
-                           tmp_path / "missing" / "m.json"), timeout=60)
+    result = finish(
+        launch(script, "--data-dir", tmp_path / "not-a-folder", "--metrics-json", tmp_path / "missing" / "m.json"),
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "(see --help)" in result.stderr, result.stderr
 
 
 # Faults: the whole job ends, within a bound, saying why.
+
 
 def test_master_port_held_by_another_program(data_dir):
     with socket.socket() as other:
@@ -144,15 +179,33 @@ def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
     assert [left_running(m.pid) for m in machines] == [[], []]
 
 
-@pytest.mark.parametrize("script,processes,target", [("convnet_undistributed.py", 1, "group"),
-                                                     ("convnet_distributed.py", 2, "group"),
-                                                     ("convnet_distributed.py", 2, "launcher")])
-def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(data_dir, tmp_path, script,
-                                                                             processes, target):
+@pytest.mark.parametrize(
+    "script,processes,target",
+    [
+        ("convnet_undistributed.py", 1, "group"),
+        ("convnet_distributed.py", 2, "group"),
+        ("convnet_distributed.py", 2, "launcher"),
+    ],
+)
+def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
+    data_dir, tmp_path, script, processes, target
+):
     ck = tmp_path / "ck.pt"
     extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
-    proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50,
-                  "--log-interval", 1, "--checkpoint", ck, *extra)
+    proc = launch(
+        script,
+        "--data-dir",
+        data_dir,
+        "--batch-size",
+        128 // processes,
+        "--epochs",
+        50,
+        "--log-interval",
+        1,
+        "--checkpoint",
+        ck,
+        *extra,
+    )
     wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
     # A terminal's Ctrl-C reaches the whole foreground process group; `kill -INT` reaches the launcher alone.
     if target == "group":
@@ -170,7 +223,11 @@ def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(dat
 def test_killed_while_writing_a_checkpoint_the_previous_one_still_loads(tmp_path):
     ck = tmp_path / "ck.pt"
     convnet_distributed.save0(ck, lambda f: torch.save({"epoch": 3}, f))
-    writer = subprocess.Popen([sys.executable, "-c", f"""
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import sys, time
 sys.path.insert(0, {REPO!r})
 import convnet_distributed
@@ -180,7 +237,11 @@ def half_written(f):
     print("writing", flush=True)
     time.sleep(120)
 convnet_distributed.save0({str(ck)!r}, half_written)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert writer.stdout.readline() == "writing\n"
     writer.kill()
     writer.wait(timeout=30)
@@ -206,8 +267,9 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
     a, b = read_json(tmp_path / "resumed.json"), read_json(tmp_path / "whole.json")
     assert a["epochs_trained"] == 2 and b["epochs_trained"] == 3
     assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4)
-    assert [h["train_loss"] for h in a["history"]] == pytest.approx([h["train_loss"] for h in b["history"][1:]],
-                                                                    rel=1e-4)
+    assert [h["train_loss"] for h in a["history"]] == pytest.approx(
+        [h["train_loss"] for h in b["history"][1:]], rel=1e-4
+    )
 
 
 def test_the_sampler_order_of_an_epoch_does_not_depend_on_the_epochs_before_it():

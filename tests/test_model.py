@@ -1,4 +1,5 @@
 """The three scripts hold one model and one data path: the copies must not drift apart."""
+
 import copy
 import inspect
 import warnings
@@ -15,12 +16,42 @@ import convnet_undistributed
 
 MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 # Shared logic copied into each script on purpose (each runs alone): the copies must stay the same.
-SAME_IN_ALL = ["ConvNet", "keep_pool_gradient_channels_last", "raw_folder", "unpack", "prepare_data", "load_data",
-               "to_input", "read_checkpoint", "Parser", "positive_int", "positive_float", "keep_freed_memory",
-               "release_freed_memory", "peak_memory_mib"]
-SAME_IN_DISTRIBUTED = ["train_epoch", "evaluate", "worker", "print0", "save_checkpoint", "save0", "resume", "report",
-                       "peak_memory_per_rank", "run_workers", "spawned_worker", "under_torchrun", "parse_args", "port",
-                       "default_threads", "rendezvous", "open_store", "last_line"]
+SAME_IN_ALL = [
+    "ConvNet",
+    "keep_pool_gradient_channels_last",
+    "raw_folder",
+    "unpack",
+    "prepare_data",
+    "load_data",
+    "to_input",
+    "read_checkpoint",
+    "Parser",
+    "positive_int",
+    "positive_float",
+    "keep_freed_memory",
+    "release_freed_memory",
+    "peak_memory_mib",
+]
+SAME_IN_DISTRIBUTED = [
+    "train_epoch",
+    "evaluate",
+    "worker",
+    "print0",
+    "save_checkpoint",
+    "save0",
+    "resume",
+    "report",
+    "peak_memory_per_rank",
+    "run_workers",
+    "spawned_worker",
+    "under_torchrun",
+    "parse_args",
+    "port",
+    "default_threads",
+    "rendezvous",
+    "open_store",
+    "last_line",
+]
 
 
 @pytest.mark.parametrize("name", SAME_IN_ALL)
@@ -31,8 +62,9 @@ def test_shared_code_is_the_same_in_all_three_scripts(name):
 
 @pytest.mark.parametrize("name", SAME_IN_DISTRIBUTED)
 def test_shared_code_is_the_same_in_both_distributed_scripts(name):
-    assert inspect.getsource(getattr(convnet_distributed, name)) == \
-        inspect.getsource(getattr(convnet_distributed_cuda, name))
+    assert inspect.getsource(getattr(convnet_distributed, name)) == inspect.getsource(
+        getattr(convnet_distributed_cuda, name)
+    )
 
 
 def test_constants_are_the_same():
@@ -71,7 +103,6 @@ def test_convnet_layers_are_the_spec_and_dropout_is_element_wise():
     assert torch.allclose(out.exp().sum(1), torch.ones(4), atol=1e-5)  # log-probabilities
 
 
-
 def test_channels_last_model_takes_the_same_step_as_a_plain_one():
     """The scripts hand max-pool its gradient in channels-last order (a speed fix): the gradients stay the
     same as those of the model held in the default layout."""
@@ -85,6 +116,7 @@ def test_channels_last_model_takes_the_same_step_as_a_plain_one():
     for p, q in zip(plain.parameters(), fast.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
     assert fast.conv2.weight.grad.is_contiguous(memory_format=torch.channels_last)
+
 
 @pytest.mark.parametrize("dataset", ["mnist", "fashion-mnist"])
 def test_batch_normalisation_equals_torchvision_transforms_exactly(dataset):

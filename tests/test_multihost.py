@@ -7,6 +7,7 @@ Gloo binds its sockets to the address the host name resolves to, and the peers a
 machine 1 live in different namespaces, as on two hosts, and only the veth addresses reach across.
 Needs root and iproute2 (`ip netns`); skipped otherwise.
 """
+
 import os
 import secrets
 import shutil
@@ -37,6 +38,7 @@ def netns_pids(ns):
 @dataclass
 class Network:
     """Two namespaces joined by a veth pair: machine 0 in a, machine 1 in b."""
+
     ns_a: str
     ns_b: str
     if_a: str
@@ -87,11 +89,15 @@ def network():
             if result.returncode != 0:
                 pytest.skip(f"cannot make a network namespace (ip netns add {ns}): {result.stderr.strip()}")
             made.append(ns)
-        steps = [("link", "add", net.if_a, "netns", net.ns_a, "type", "veth",
-                  "peer", "name", net.if_b, "netns", net.ns_b)]
+        steps = [
+            ("link", "add", net.if_a, "netns", net.ns_a, "type", "veth", "peer", "name", net.if_b, "netns", net.ns_b)
+        ]
         for ns, name, addr in ((net.ns_a, net.if_a, net.addr_a), (net.ns_b, net.if_b, net.addr_b)):
-            steps += [("-n", ns, "addr", "add", f"{addr}/24", "dev", name), ("-n", ns, "link", "set", "lo", "up"),
-                      ("-n", ns, "link", "set", name, "up")]
+            steps += [
+                ("-n", ns, "addr", "add", f"{addr}/24", "dev", name),
+                ("-n", ns, "link", "set", "lo", "up"),
+                ("-n", ns, "link", "set", name, "up"),
+            ]
         for step in steps:
             result = ip(*step, check=False)
             if result.returncode != 0:
@@ -120,18 +126,28 @@ class Machine:
         self.label = label
         self.out, self.err = folder / f"{label}.stdout", folder / f"{label}.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(["ip", "netns", "exec", ns, *map(str, argv)], stdout=out, stderr=err,
-                                         env=env, cwd=folder, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *map(str, argv)],
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=folder,
+                start_new_session=True,
+            )
         self.start = time.monotonic()
 
     def result(self):
-        return Result(self.label, self.proc.returncode, self.out.read_text(), self.err.read_text(),
-                      time.monotonic() - self.start)
+        return Result(
+            self.label, self.proc.returncode, self.out.read_text(), self.err.read_text(), time.monotonic() - self.start
+        )
 
 
 def describe(results):
-    return "\n".join(f"--- {r.label}: exit {r.returncode} after {r.seconds:.1f} s\nstdout:\n{r.stdout[-3000:]}"
-                     f"\nstderr:\n{r.stderr[-3000:]}" for r in results)
+    return "\n".join(
+        f"--- {r.label}: exit {r.returncode} after {r.seconds:.1f} s\nstdout:\n{r.stdout[-3000:]}"
+        f"\nstderr:\n{r.stderr[-3000:]}"
+        for r in results
+    )
 
 
 def finish_all(machines, timeout):
@@ -163,8 +179,9 @@ def assert_namespaces_empty(net):
     while net.pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     left = net.pids()
-    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ")
-                      for p in left if os.path.exists(f"/proc/{p}")]
+    assert not left, [
+        open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in left if os.path.exists(f"/proc/{p}")
+    ]
 
 
 def env_without_interface():
@@ -177,17 +194,45 @@ def env_without_interface():
 
 def common_args(data_dir, timeout=PEER_TIMEOUT):
     """Small and quick: the generated data, one epoch, a progress line only for the first batch."""
-    return ["--batch-size", 32, "--epochs", 1, "--log-interval", 1000, "--dataset", "mnist", "--data-dir", data_dir,
-            "--timeout", timeout]
+    return [
+        "--batch-size",
+        32,
+        "--epochs",
+        1,
+        "--log-interval",
+        1000,
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        data_dir,
+        "--timeout",
+        timeout,
+    ]
 
 
 def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT):
     """The script's own two-machine launch: machine i in namespace i, both told machine 0's veth address."""
-    args = [*common_args(data_dir, timeout), "--num-machines", 2, "--num-processes", 2,
-            "--master-addr", net.addr_a, "--master-port", port]
-    return [Machine(f"machine{i}", ns, [sys.executable, SCRIPT, "--machine-id", i, *args,
-                                        "--metrics-json", folder / f"m{i}.json"], env, folder)
-            for i, ns in enumerate((net.ns_a, net.ns_b))]
+    args = [
+        *common_args(data_dir, timeout),
+        "--num-machines",
+        2,
+        "--num-processes",
+        2,
+        "--master-addr",
+        net.addr_a,
+        "--master-port",
+        port,
+    ]
+    return [
+        Machine(
+            f"machine{i}",
+            ns,
+            [sys.executable, SCRIPT, "--machine-id", i, *args, "--metrics-json", folder / f"m{i}.json"],
+            env,
+            folder,
+        )
+        for i, ns in enumerate((net.ns_a, net.ns_b))
+    ]
 
 
 def random_port():
@@ -217,8 +262,9 @@ def test_script_launch_across_two_namespaces_forms_one_group(network, data_dir, 
     assert "Finished training in" in results[0].stdout
     assert f"Gloo uses interface {network.if_a} ({network.addr_a})" in results[0].stdout  # rank 0 says which
     # Rank 0 lives on machine 0: machine 1 prints no progress, no results, and writes no metrics.
-    assert not any(line.startswith(("epoch: ", "Test set", "Finished training"))
-                   for line in results[1].stdout.splitlines()), results[1].stdout
+    assert not any(
+        line.startswith(("epoch: ", "Test set", "Finished training")) for line in results[1].stdout.splitlines()
+    ), results[1].stdout
     assert not (tmp_path / "m1.json").exists()
     assert_namespaces_empty(network)
 
@@ -228,12 +274,34 @@ def test_torchrun_across_two_namespaces_forms_one_group(network, data_dir, tmp_p
     """torchrun on each machine, static rendezvous on machine 0's TCPStore at --master-addr:--master-port."""
     port = random_port()
     env = env_without_interface()
-    machines = [Machine(f"torchrun{i}", ns,
-                        [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", i,
-                         "--master-addr", network.addr_a, "--master-port", port, "--nproc-per-node", 2, SCRIPT,
-                         *common_args(data_dir), "--metrics-json", tmp_path / f"m{i}.json"],
-                        env, tmp_path)
-                for i, ns in enumerate((network.ns_a, network.ns_b))]
+    machines = [
+        Machine(
+            f"torchrun{i}",
+            ns,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                2,
+                "--node-rank",
+                i,
+                "--master-addr",
+                network.addr_a,
+                "--master-port",
+                port,
+                "--nproc-per-node",
+                2,
+                SCRIPT,
+                *common_args(data_dir),
+                "--metrics-json",
+                tmp_path / f"m{i}.json",
+            ],
+            env,
+            tmp_path,
+        )
+        for i, ns in enumerate((network.ns_a, network.ns_b))
+    ]
     results = finish_all(machines, RUN_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     check_metrics(tmp_path / "m0.json", 4)
@@ -250,8 +318,7 @@ def test_wrong_gloo_socket_ifname_is_a_clear_error(network, data_dir, tmp_path):
     """GLOO_SOCKET_IFNAME naming no interface: each machine stops soon, saying which setting is wrong."""
     env = env_without_interface()
     env["GLOO_SOCKET_IFNAME"] = "nosuchif0"
-    machines = script_machines(network, random_port(), data_dir, tmp_path, env,
-                               timeout=2 * WRONG_IFNAME_SECONDS)
+    machines = script_machines(network, random_port(), data_dir, tmp_path, env, timeout=2 * WRONG_IFNAME_SECONDS)
     results = finish_all(machines, WRONG_IFNAME_SECONDS)
     for r in results:
         assert r.returncode != 0, describe(results)

@@ -1,4 +1,5 @@
 """The README's commands are the ones that work: every script command parses, and CI runs its test command."""
+
 import os
 import re
 import shlex

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from conftest import N_TEST, REPO, read_json, script_env
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "munged", "ip", "nsenter", "unshare")

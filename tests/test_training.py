@@ -1,4 +1,5 @@
 """End to end: the scripts launched as a user launches them, on the small generated data set."""
+
 import os
 import platform
 import re
@@ -9,12 +10,24 @@ import psutil
 import pytest
 import torch
 
-from conftest import (N_TEST, N_TRAIN, REPO, finish, free_port, launch, read_json, run_script, script_env,
-                      wait_for_line)
+from conftest import N_TEST, N_TRAIN, REPO, finish, free_port, launch, read_json, run_script, script_env, wait_for_line
 
-METRIC_KEYS = {"script", "world_size", "epochs", "batch_size", "global_batch_size", "threads", "amp", "device",
-               "train_seconds", "total_seconds", "samples_per_second", "final_train_loss", "test_loss",
-               "test_accuracy"}
+METRIC_KEYS = {
+    "script",
+    "world_size",
+    "epochs",
+    "batch_size",
+    "global_batch_size",
+    "threads",
+    "amp",
+    "device",
+    "train_seconds",
+    "total_seconds",
+    "samples_per_second",
+    "final_train_loss",
+    "test_loss",
+    "test_accuracy",
+}
 PROGRESS = re.compile(r"^epoch: (\d+) \[(\d+)/(\d+) \((\d+)%\)\]\t training loss: (\d+\.\d{6})$")
 
 
@@ -32,14 +45,18 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
     assert len([line for line in lines if line.startswith("Test set, epoch")]) == epochs
     m = read_json(metrics_path)
     assert METRIC_KEYS <= set(m)
-    assert (m["world_size"], m["batch_size"], m["global_batch_size"]) == (world_size, batch_size, batch_size * world_size)
+    assert (m["world_size"], m["batch_size"], m["global_batch_size"]) == (
+        world_size,
+        batch_size,
+        batch_size * world_size,
+    )
     assert m["test_samples"] == N_TEST  # every test image counted exactly once, whatever the world size
     assert 0 < m["train_seconds"] < m["total_seconds"]
     assert m["samples_per_second"] == pytest.approx(epochs * N_TRAIN / m["train_seconds"])
     assert 0 <= m["test_accuracy"] <= 1
     # Every rank's peak memory while it worked: more than torch alone takes, less than this machine has.
     peaks = m.get("peak_rss_mib_per_rank", [m.get("peak_rss_mib")])
-    assert len(peaks) == world_size and all(200 < p < psutil.virtual_memory().total / 2 ** 20 for p in peaks), peaks
+    assert len(peaks) == world_size and all(200 < p < psutil.virtual_memory().total / 2**20 for p in peaks), peaks
     first_loss = float(progress[0][5])
     assert first_loss > 2.0 and m["final_train_loss"] < first_loss  # started at chance, and learnt
     return m
@@ -59,10 +76,27 @@ def test_distributed_article_commands_train(data_dir, tmp_path, processes, batch
     """The article's runs (1, 2, 4, 8 processes at 128, 64, 32, 16), and 3 processes: uneven test shards.
     Under -W error: the article's Dropout2d warned on every forward pass."""
     metrics = tmp_path / "m.json"
-    result = run_script("convnet_distributed.py", "--num-machines", 1, "--num-processes", processes,
-                        "--machine-id", 0, "--epochs", 1, "--batch-size", batch_size, "--data-dir", data_dir,
-                        "--master-port", free_port(), "--metrics-json", metrics, python_flags=["-W", "error"],
-                        timeout=240)
+    result = run_script(
+        "convnet_distributed.py",
+        "--num-machines",
+        1,
+        "--num-processes",
+        processes,
+        "--machine-id",
+        0,
+        "--epochs",
+        1,
+        "--batch-size",
+        batch_size,
+        "--data-dir",
+        data_dir,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        metrics,
+        python_flags=["-W", "error"],
+        timeout=240,
+    )
     m = check_run(result, metrics, processes, batch_size)
     assert m["script"] == "convnet_distributed.py"
     assert m["threads"] == max(1, len(os.sched_getaffinity(0)) // processes)  # no oversubscription
@@ -73,12 +107,33 @@ def test_distributed_article_commands_train(data_dir, tmp_path, processes, batch
 def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
     """The article's two-machine commands, both spellings, with the master address and port given."""
     port = free_port()
-    common = ["--num-processes", 2, "--epochs", 1, "--batch-size", 32, "--data-dir", data_dir,
-              "--master-addr", "127.0.0.1", "--master-port", port]
-    machine1 = launch("convnet_distributed.py", "--num_machines=2", "--machine_id=1", *common,
-                      "--metrics-json", tmp_path / "m1.json")
-    machine0 = launch("convnet_distributed.py", "--num-machines", 2, "--machine-id", 0, *common,
-                      "--metrics-json", tmp_path / "m0.json")
+    common = [
+        "--num-processes",
+        2,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        "--data-dir",
+        data_dir,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    machine1 = launch(
+        "convnet_distributed.py", "--num_machines=2", "--machine_id=1", *common, "--metrics-json", tmp_path / "m1.json"
+    )
+    machine0 = launch(
+        "convnet_distributed.py",
+        "--num-machines",
+        2,
+        "--machine-id",
+        0,
+        *common,
+        "--metrics-json",
+        tmp_path / "m0.json",
+    )
     result0, result1 = finish(machine0, 180), finish(machine1, 180)
     assert result1.returncode == 0, result1.stderr
     check_run(result0, tmp_path / "m0.json", 4, 32)
@@ -88,31 +143,63 @@ def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
 
 def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
     metrics = tmp_path / "m.json"
-    result = run_script("convnet_distributed.py", "--amp", "--batch-size", 64, "--data-dir", data_dir,
-                        "--master-port", free_port(), "--metrics-json", metrics)
+    result = run_script(
+        "convnet_distributed.py",
+        "--amp",
+        "--batch-size",
+        64,
+        "--data-dir",
+        data_dir,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        metrics,
+    )
     m = check_run(result, metrics, 1, 64)
     assert m["amp"] is True and m["test_accuracy"] > 0.8
 
 
 def torchrun(*args, script_args=()):
     """Start torchrun as a user would (python -m torch.distributed.run is the torchrun command)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args), os.path.join(REPO, "convnet_distributed.py"),
-           *map(str, script_args)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(),
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *map(str, args),
+        os.path.join(REPO, "convnet_distributed.py"),
+        *map(str, script_args),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), start_new_session=True
+    )
 
 
 def test_torchrun_launch_joins_its_group_and_matches_the_scripts_own_launch(data_dir, tmp_path):
     """Under torchrun the script does not spawn: it joins the group torchrun made, with torchrun's ranks,
     and trains exactly as its own launch of the same world size does."""
     common = ["--batch-size", 64, "--data-dir", data_dir, "--seed", 3]
-    proc = torchrun("--nproc-per-node", 2, "--master-port", free_port(),
-                    script_args=[*common, "--metrics-json", tmp_path / "torchrun.json"])
+    proc = torchrun(
+        "--nproc-per-node",
+        2,
+        "--master-port",
+        free_port(),
+        script_args=[*common, "--metrics-json", tmp_path / "torchrun.json"],
+    )
     under_torchrun = finish(proc, 180)
     m = check_run(under_torchrun, tmp_path / "torchrun.json", 2, 64)
     assert m["threads"] == 1  # torchrun sets OMP_NUM_THREADS=1 for several processes, and it is respected
-    own = run_script("convnet_distributed.py", *common, "--num-processes", 2, "--threads", 1,
-                     "--master-port", free_port(), "--metrics-json", tmp_path / "own.json")
+    own = run_script(
+        "convnet_distributed.py",
+        *common,
+        "--num-processes",
+        2,
+        "--threads",
+        1,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        tmp_path / "own.json",
+    )
     o = check_run(own, tmp_path / "own.json", 2, 64)
     assert set(m) == set(o)
     first_line = [line for line in under_torchrun.stdout.splitlines() if line.startswith("epoch: ")][0]
@@ -125,14 +212,35 @@ def test_torchrun_restarts_a_killed_rank_and_the_group_resumes_from_the_checkpoi
     the last complete checkpoint and ends as an unbroken run ends."""
     ck = tmp_path / "ck.pt"
     common = ["--batch-size", 64, "--data-dir", data_dir, "--epochs", 3, "--log-interval", 1]
-    unbroken = run_script("convnet_distributed.py", *common, "--num-processes", 2, "--threads", 1,
-                          "--master-port", free_port(), "--metrics-json", tmp_path / "unbroken.json", timeout=180)
+    unbroken = run_script(
+        "convnet_distributed.py",
+        *common,
+        "--num-processes",
+        2,
+        "--threads",
+        1,
+        "--master-port",
+        free_port(),
+        "--metrics-json",
+        tmp_path / "unbroken.json",
+        timeout=180,
+    )
     assert unbroken.returncode == 0, unbroken.stderr
-    proc = torchrun("--nproc-per-node", 2, "--max-restarts", 2, "--master-port", free_port(),
-                    script_args=[*common, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / "m.json"])
+    proc = torchrun(
+        "--nproc-per-node",
+        2,
+        "--max-restarts",
+        2,
+        "--master-port",
+        free_port(),
+        script_args=[*common, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / "m.json"],
+    )
     wait_for_line(proc, "epoch: 1 [2/")
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "convnet_distributed.py" in " ".join(p.cmdline())]
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "convnet_distributed.py" in " ".join(p.cmdline())
+    ]
     assert len(ranks) == 2
     ranks[1].kill()
     result = finish(proc, 240)
