@@ -493,6 +493,8 @@ def parse_args(argv=None):
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """A mistake on the command line gets one line naming the flag, not a usage block first."""
+        for action in self._actions:  # a flag with two spellings is named by the first: --batch-size
+            message = message.replace("/".join(action.option_strings), action.option_strings[0])
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
