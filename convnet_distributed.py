@@ -21,9 +21,10 @@ Under torchrun, which starts the processes itself (the script joins its group):
 """  # noqa: E501 (commands are one line each)
 
 import argparse
+import contextlib
 import ctypes
-import fcntl
 import gzip
+import ipaddress
 import json
 import logging
 import os
@@ -39,8 +40,8 @@ import uuid
 from datetime import timedelta
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
-# c10d logs each failed connection attempt with a C++ stack trace; failures are reported here in one line.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# c10d and Gloo log each failure in C++, stack traces included; the scripts report each in one line instead.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,6 +62,7 @@ CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 # Test images per forward pass: on a CPU a small batch keeps its activations in cache, and evaluation
 # stays below training in memory.
 TEST_BATCH_SIZE = 128
+RESOLVE_SECONDS = 30  # how long --master-addr may take to resolve: DNS records of new pods appear in seconds
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
@@ -124,9 +126,20 @@ def prepare_data(args):
             unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
+    download(args, names)
+
+
+def download(args, names):
+    """Download the data set into a folder of this process's own, then rename each file into place: machines
+    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    os.makedirs(folder, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
-        DATASETS[args.dataset][0](args.data_dir, download=True)
+        cls(private, download=True)
+        for name in names:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         sys.exit(
@@ -135,6 +148,7 @@ def prepare_data(args):
         )
     finally:
         socket.setdefaulttimeout(None)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def load_data(args):
@@ -249,10 +263,18 @@ def evaluate(model, images, labels, rank, world_size, args):
 
 def join_group(rank, world_size, args):
     """Join the job's process group over Gloo: every process of every machine meets at machine 0."""
-    choose_gloo_interface(rank, world_size, args)
     store = rendezvous(rank, world_size, args)
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    choose_gloo_interface(store, rank, world_size, args)
+    try:
+        with stderr_held_back():  # Gloo logs every failed connection attempt; the one line below says it all
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout)
+            )
+    except RuntimeError as e:  # Gloo connects every pair of processes here, on ports the system picks
+        sys.exit(
+            f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines reach "
+            "each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"
+        )
 
 
 def data_parallel(model, rank, world_size, args):
@@ -282,6 +304,9 @@ def worker(local_rank, args, data):
     device = select_device(local_rank)
     join_group(rank, world_size, args)
     try:
+        if args.check:
+            check_group(world_size, device, args)
+            return
         if data is None:  # under torchrun: one process per machine fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(args)
@@ -303,6 +328,15 @@ def worker(local_rank, args, data):
         )
     finally:
         dist.destroy_process_group()
+
+
+def check_group(world_size, device, args):
+    """--check: one all-reduce over the whole group, as every training step makes, then stop."""
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)  # every process adds its 1: each reached all the others
+    if total.item() != world_size:
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
+    print0(f"Check passed: {world_size} processes on {args.num_machines} machine(s) reached each other")
 
 
 def select_device(local_rank):
@@ -420,13 +454,16 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
+    check_gloo_socket_ifname()
     try:
         if under_torchrun():
             worker(int(os.environ["LOCAL_RANK"]), args, None)
             return
-        # Once per machine, before the workers start: N processes downloading into one folder race.
-        prepare_data(args)
-        data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+        data = None
+        if not args.check:
+            # Once per machine, before the workers start: N processes downloading into one folder race.
+            prepare_data(args)
+            data = load_data(args)  # handed to the workers in shared memory: one copy per machine
         if args.num_processes == 1:
             worker(0, args, data)
         else:
@@ -589,6 +626,7 @@ def build_parser():
     p.add_argument(
         "--master-addr",
         "--master_addr",
+        type=host,
         default=None,
         metavar="HOST",
         help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)",
@@ -615,6 +653,12 @@ def build_parser():
         metavar="SECONDS",
         help="how long a process waits for its peers before giving up (default: 300)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="make the process group as a real run would, average once, print each machine's host, Gloo "
+        "interface and processes, and exit without training: a check before a long job (default: off)",
+    )
     return p
 
 
@@ -627,12 +671,12 @@ def fill_layout(parser, args):
         local = int(env.get("LOCAL_WORLD_SIZE", 1))
         torchrun = {
             "num_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
-            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": env.get("MASTER_ADDR"),
+            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": host(env.get("MASTER_ADDR", "")) or None,
             "master_port": env.get("MASTER_PORT"),
         }  # fmt: skip
     defaults = {
         "num_processes": 1, "num_machines": 1, "machine_id": 0,
-        "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": env.get("MASTER_PORT", "8892"),
+        "master_addr": host(env.get("MASTER_ADDR", "127.0.0.1")), "master_port": env.get("MASTER_PORT", "8892"),
     }  # fmt: skip
     for name, default in defaults.items():
         given, decided = getattr(args, name), torchrun.get(name)
@@ -665,6 +709,11 @@ def positive_float(text):
     return value
 
 
+def host(text):
+    """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
 def port(text):
     value = int(text)
     if not 1 <= value <= 65535:
@@ -691,6 +740,7 @@ def rendezvous(rank, world_size, args):
     starts is reported after --timeout, not waited for in silence."""
     if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
         served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
+        resolve(args.master_addr, rank, time.monotonic() + args.timeout)
         agent_store = dist.TCPStore(
             args.master_addr,
             args.master_port,
@@ -721,6 +771,7 @@ def rendezvous(rank, world_size, args):
 def open_store(rank, world_size, args, deadline):
     """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
     where = f"{args.master_addr}:{args.master_port}"
+    resolve(args.master_addr, rank, deadline)
     while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
         try:
             socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
@@ -751,55 +802,120 @@ def open_store(rank, world_size, args, deadline):
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
 
 
-def choose_gloo_interface(rank, world_size, args):
-    """Gloo listens on the address this host's name resolves to, which on many hosts is 127.0.0.1:
-    unreachable from another machine. When the job spans machines and GLOO_SOCKET_IFNAME is unset,
-    take the interface that routes to machine 0. A GLOO_SOCKET_IFNAME set by the user wins."""
-    addresses = interface_addresses()
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        unknown = [name for name in os.environ["GLOO_SOCKET_IFNAME"].split(",") if name not in addresses]
-        if unknown:
+def resolve(name, rank, deadline):
+    """Wait until name resolves: a new pod's or node's DNS record can take seconds to appear. A name that
+    still does not resolve after RESOLVE_SECONDS (or --timeout, if shorter) is a mistake: say so."""
+    give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
+    while True:
+        try:
+            return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if time.monotonic() > give_up:
+                sys.exit(
+                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine 0's "
+                    "address, or a name every machine resolves (check /etc/hosts and DNS)"
+                )
+            time.sleep(0.5)
+
+
+def choose_gloo_interface(store, rank, world_size, args):
+    """Point Gloo at an address the other machines reach, and tell rank 0 which. Gloo listens on the address
+    this host's name resolves to, which on many hosts is loopback (127.0.0.1, or Debian's 127.0.1.1), and a
+    machine cannot tell from its own view which of its addresses the others reach. A connection to the
+    rendezvous can: its far end is how the others see the machine serving it, its near end how they see the
+    rest. So every process reports both ends; the serving machine takes the address another machine reached
+    it at. A GLOO_SOCKET_IFNAME set by the user wins."""
+    per_machine = placement(args, 0)[2]
+    spans_machines = world_size > per_machine
+    linux = sys.platform.startswith("linux")
+    addresses = interface_addresses() if linux else {}
+    if spans_machines:
+        near, far = connection_ends(args.master_addr, args.master_port)
+        store.set(f"ends/{rank}", f"{near} {far}")
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:  # checked by check_gloo_socket_ifname() before the processes started
+        address = addresses.get(name.split(",")[0], ["its address"])[0]
+    elif spans_machines and linux:
+        address = near
+        if is_loopback(near):  # this machine serves the rendezvous: a process of another machine knows
+            other = per_machine if args.machine_id == 0 else 0
+            other_near, other_far = store.get(f"ends/{other}").decode().split()
+            address = near if is_loopback(other_near) else other_far  # both on one host: loopback is right
+        name = next((n for n, held in addresses.items() if address in held), None)
+        if name is None:
             sys.exit(
-                f"error: GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']}: this machine has no interface "
-                f"{unknown[0]} with an IPv4 address (it has {', '.join(sorted(addresses))})"
+                f"error: rank {rank}: the other machines reach this one at {address}, which no interface here "
+                "holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"
             )
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # read by Gloo when the process group is made
+    else:  # Gloo's own choice: the address this host's name resolves to, else loopback
+        address = hostname_address()
+        name = next((n for n, held in addresses.items() if address in held), "the host name's interface")
+    if spans_machines and not linux and not os.environ.get("GLOO_SOCKET_IFNAME") and rank == 0:
+        print("Gloo's interface is chosen on Linux only: set GLOO_SOCKET_IFNAME on each machine", flush=True)
+    if rank % per_machine == 0:  # one report per machine, for rank 0 to print
+        report = [socket.gethostname(), per_machine, name, address]
+        store.set(f"machine/{args.machine_id}", json.dumps(report))
+    if rank == 0 and (spans_machines or args.check):
+        for machine in range(args.num_machines):
+            hostname, count, name, address = json.loads(store.get(f"machine/{machine}"))
+            print(f"Machine {machine} ({hostname}): {count} process(es), Gloo on {name} {address}", flush=True)
+
+
+def check_gloo_socket_ifname():
+    """A GLOO_SOCKET_IFNAME that names no interface of this machine, or one without an address, is a mistake
+    Gloo would report as a C++ exception in every process: report it once, before anything starts."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not name or not sys.platform.startswith("linux"):
         return
-    if world_size == placement(args, 0)[2]:  # one machine: the loopback Gloo picks is right
-        return
-    master_addr = args.master_addr
+    addresses = interface_addresses()
+    for one in name.split(","):
+        if not addresses.get(one):
+            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(addresses.items()))
+            sys.exit(
+                f"error: GLOO_SOCKET_IFNAME={name}: this machine has no interface {one} with an address "
+                f"(it has {have}): name one of these, on each machine its own"
+            )
+
+
+def connection_ends(host_name, port):
+    """(near, far): the addresses of this machine and of host_name on a TCP connection between them."""
+    with socket.create_connection((host_name, port), timeout=5) as s:
+        return s.getsockname()[0].split("%")[0], s.getpeername()[0].split("%")[0]
+
+
+def is_loopback(address):
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def hostname_address():
+    """The address Gloo listens on by default: the first this host's name resolves to, else loopback."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))  # a UDP "connect" sends nothing: it only asks the kernel for the route
-            own = s.getsockname()[0]
-    except OSError as e:
-        sys.exit(f"error: no route from this machine to --master-addr {master_addr} ({e.strerror or e})")
-    if own.startswith("127."):  # machine 0 is this host: loopback is right
-        return
-    name = next((name for name, address in addresses.items() if address == own), None)
-    if name is None:
-        sys.exit(
-            f"error: cannot tell which interface holds {own}, the address that reaches {master_addr}: "
-            "set GLOO_SOCKET_IFNAME"
-        )
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    if rank == 0:
-        print(
-            f"Gloo uses interface {name} ({own}), which reaches --master-addr {master_addr}; "
-            "set GLOO_SOCKET_IFNAME to choose another",
-            flush=True,
-        )
+        return socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def interface_addresses():
-    """{interface name: its IPv4 address} for this machine's interfaces that have one (Linux)."""
-    found = {}
+    """{interface: its addresses, in the order Gloo takes them: IPv4, then IPv6 of wider scope first} (Linux)."""
+    import fcntl  # Unix only, and this runs on Linux only
+
+    found = {name: [] for _, name in socket.if_nameindex()}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR: the interface's address, in a struct ifreq
+        for name in found:
+            try:  # SIOCGIFADDR: the interface's IPv4 address, in a struct ifreq
                 ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                found[name] = socket.inet_ntoa(ifreq[20:24])
+                found[name].append(socket.inet_ntoa(ifreq[20:24]))
             except OSError:
                 pass
+    try:
+        with open("/proc/net/if_inet6") as f:  # address, index, prefix length, scope, flags, name
+            rows = sorted((line.split() for line in f), key=lambda row: row[3])  # global scope (00) first
+    except OSError:
+        rows = []  # no IPv6
+    for hex_address, *_, name in rows:
+        found.setdefault(name, []).append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(hex_address)))
     return found
 
 
@@ -894,10 +1010,29 @@ def keep_pool_gradient_channels_last(model):
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
+@contextlib.contextmanager
+def stderr_held_back():
+    """Send what C++ code writes to file descriptor 2 to a temporary file; write it out if the block succeeds,
+    drop it if it raises (no setting silences Gloo's log of each failed connection attempt)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        sys.stderr.buffer.write(held.read())
+        sys.stderr.flush()
+
+
 def last_line(error):
     """The gist of a distributed error: its last non-empty line, without the C++ source location."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return re.sub(r"^\[[^\]]*\] ", "", lines[-1]).split(". ")[0].rstrip(".")
+    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
+    return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import time
 from datetime import timedelta
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
-# c10d logs each failed connection attempt with a C++ stack trace; failures are reported here in one line.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# c10d and Gloo log each failure in C++, stack traces included; the scripts report each in one line instead.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -54,6 +54,7 @@ from torchvision import datasets
 
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 TEST_BATCH_SIZE = 1000  # test images per forward pass: a GPU does a large batch in about the time of a small one
+RESOLVE_SECONDS = 30  # how long --master-addr may take to resolve: DNS records of new pods appear in seconds
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
@@ -117,9 +118,20 @@ def prepare_data(args):
             unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
+    download(args, names)
+
+
+def download(args, names):
+    """Download the data set into a folder of this process's own, then rename each file into place: machines
+    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    os.makedirs(folder, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
-        DATASETS[args.dataset][0](args.data_dir, download=True)
+        cls(private, download=True)
+        for name in names:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         sys.exit(
@@ -128,6 +140,7 @@ def prepare_data(args):
         )
     finally:
         socket.setdefaulttimeout(None)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def load_data(args):
@@ -244,8 +257,15 @@ def evaluate(model, images, labels, rank, world_size, args):
 def join_group(rank, world_size, args):
     """Join the job's process group over NCCL: every process of every machine meets at machine 0."""
     store = rendezvous(rank, world_size, args)
-    timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout)
+        )
+    except RuntimeError as e:
+        sys.exit(
+            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines reach "
+            "each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"
+        )
 
 
 def worker(local_rank, args, data):
@@ -256,6 +276,9 @@ def worker(local_rank, args, data):
     device = select_device(local_rank)
     join_group(rank, world_size, args)
     try:
+        if args.check:
+            check_group(world_size, device, args)
+            return
         if data is None:  # under torchrun: one process per machine fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(args)
@@ -277,6 +300,15 @@ def worker(local_rank, args, data):
         )
     finally:
         dist.destroy_process_group()
+
+
+def check_group(world_size, device, args):
+    """--check: one all-reduce over the whole group, as every training step makes, then stop."""
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)  # every process adds its 1: each reached all the others
+    if total.item() != world_size:
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
+    print0(f"Check passed: {world_size} processes on {args.num_machines} machine(s) reached each other")
 
 
 def select_device(local_rank):
@@ -410,9 +442,11 @@ def main(argv=None):
         if under_torchrun():
             worker(int(os.environ["LOCAL_RANK"]), args, None)
             return
-        # Once per machine, before the workers start: N processes downloading into one folder race.
-        prepare_data(args)
-        data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+        data = None
+        if not args.check:
+            # Once per machine, before the workers start: N processes downloading into one folder race.
+            prepare_data(args)
+            data = load_data(args)  # handed to the workers in shared memory: one copy per machine
         if args.num_gpu_processes == 1:
             worker(0, args, data)
         else:
@@ -575,6 +609,7 @@ def build_parser():
     p.add_argument(
         "--master-addr",
         "--master_addr",
+        type=host,
         default=None,
         metavar="HOST",
         help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)",
@@ -594,6 +629,12 @@ def build_parser():
         metavar="SECONDS",
         help="how long a process waits for its peers before giving up (default: 300)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="make the process group as a real run would, average once and exit without training: a check "
+        "before a long job (default: off)",
+    )
     return p
 
 
@@ -606,12 +647,12 @@ def fill_layout(parser, args):
         local = int(env.get("LOCAL_WORLD_SIZE", 1))
         torchrun = {
             "num_gpu_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
-            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": env.get("MASTER_ADDR"),
+            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": host(env.get("MASTER_ADDR", "")) or None,
             "master_port": env.get("MASTER_PORT"),
         }  # fmt: skip
     defaults = {
         "num_gpu_processes": max(1, torch.cuda.device_count()), "num_machines": 1, "machine_id": 0,
-        "master_addr": env.get("MASTER_ADDR", "127.0.0.1"), "master_port": env.get("MASTER_PORT", "8892"),
+        "master_addr": host(env.get("MASTER_ADDR", "127.0.0.1")), "master_port": env.get("MASTER_PORT", "8892"),
     }  # fmt: skip
     for name, default in defaults.items():
         given, decided = getattr(args, name), torchrun.get(name)
@@ -644,6 +685,11 @@ def positive_float(text):
     return value
 
 
+def host(text):
+    """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
 def port(text):
     value = int(text)
     if not 1 <= value <= 65535:
@@ -669,6 +715,7 @@ def rendezvous(rank, world_size, args):
     starts is reported after --timeout, not waited for in silence."""
     if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
         served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
+        resolve(args.master_addr, rank, time.monotonic() + args.timeout)
         agent_store = dist.TCPStore(
             args.master_addr,
             args.master_port,
@@ -699,6 +746,7 @@ def rendezvous(rank, world_size, args):
 def open_store(rank, world_size, args, deadline):
     """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
     where = f"{args.master_addr}:{args.master_port}"
+    resolve(args.master_addr, rank, deadline)
     while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
         try:
             socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
@@ -727,6 +775,22 @@ def open_store(rank, world_size, args, deadline):
                 "the port; choose a free --master-port"
             )
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def resolve(name, rank, deadline):
+    """Wait until name resolves: a new pod's or node's DNS record can take seconds to appear. A name that
+    still does not resolve after RESOLVE_SECONDS (or --timeout, if shorter) is a mistake: say so."""
+    give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
+    while True:
+        try:
+            return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if time.monotonic() > give_up:
+                sys.exit(
+                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine 0's "
+                    "address, or a name every machine resolves (check /etc/hosts and DNS)"
+                )
+            time.sleep(0.5)
 
 
 def keep_freed_memory():
@@ -768,7 +832,8 @@ def keep_pool_gradient_channels_last(model):
 def last_line(error):
     """The gist of a distributed error: its last non-empty line, without the C++ source location."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    return re.sub(r"^\[[^\]]*\] ", "", lines[-1]).split(". ")[0].rstrip(".")
+    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
+    return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
 
 
 if __name__ == "__main__":

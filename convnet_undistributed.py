@@ -94,9 +94,20 @@ def prepare_data(args):
             unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
+    download(args, names)
+
+
+def download(args, names):
+    """Download the data set into a folder of this process's own, then rename each file into place: machines
+    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    os.makedirs(folder, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
-        DATASETS[args.dataset][0](args.data_dir, download=True)
+        cls(private, download=True)
+        for name in names:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
     except Exception as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         sys.exit(
@@ -105,6 +116,7 @@ def prepare_data(args):
         )
     finally:
         socket.setdefaulttimeout(None)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def load_data(args):

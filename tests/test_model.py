@@ -22,6 +22,7 @@ SAME_IN_ALL = [
     "raw_folder",
     "unpack",
     "prepare_data",
+    "download",
     "load_data",
     "to_input",
     "read_checkpoint",
@@ -50,6 +51,9 @@ SAME_IN_DISTRIBUTED = [
     "default_threads",
     "rendezvous",
     "open_store",
+    "resolve",
+    "check_group",
+    "host",
     "last_line",
 ]
 

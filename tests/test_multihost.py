@@ -1,11 +1,14 @@
-"""Two "machines" that really are two: network namespaces joined by a veth pair, each with its own address.
+"""Two "machines" that really are two: network namespaces joined by a veth pair, each with its own address,
+its own host name (a UTS namespace) and its own hosts file (/etc/netns/NAME/hosts, which `ip netns exec` mounts
+over /etc/hosts).
 
 Over loopback (tests/test_training.py) every process shares 127.0.0.1, so a job can pass there and still fail
-between real hosts. A common such failure: the host name resolves to 127.0.0.1 (/etc/hosts: `127.0.0.1 vm`),
-Gloo binds its sockets to the address the host name resolves to, and the peers are told to connect to
-127.0.0.1: `Gloo connectFullMesh failed ... Connection refused, remote=[127.0.0.1]`. Here machine 0 and
-machine 1 live in different namespaces, as on two hosts, and only the veth addresses reach across.
-Needs root and iproute2 (`ip netns`); skipped otherwise.
+between real hosts. The common such failure: machine 0's hosts file maps its own name to loopback (Debian and
+Ubuntu write `127.0.1.1 HOSTNAME`), Gloo binds its sockets to the address the host name resolves to, and the
+peers are told to connect to it: `Gloo connectFullMesh failed ... Connection refused, remote=[127.0.1.1]`.
+Here machine 0 ("node0") maps its own name to 127.0.1.1, machine 1 ("node1") maps node0 to machine 0's veth
+address, as two freshly installed hosts on one network would, and every launch names machine 0 by name.
+Needs root and iproute2 (`ip netns`) and util-linux (`unshare`); skipped otherwise.
 """
 
 import os
@@ -37,7 +40,7 @@ def netns_pids(ns):
 
 @dataclass
 class Network:
-    """Two namespaces joined by a veth pair: machine 0 in a, machine 1 in b."""
+    """Two namespaces joined by a veth pair: machine 0 ("node0") in a, machine 1 ("node1") in b."""
 
     ns_a: str
     ns_b: str
@@ -48,6 +51,14 @@ class Network:
 
     def pids(self):
         return netns_pids(self.ns_a) + netns_pids(self.ns_b)
+
+    def hosts_files(self):
+        """Each machine maps its own name to 127.0.1.1 (Debian's default) and the other's to its veth address."""
+        loopback = "127.0.0.1 localhost\n::1 localhost ip6-localhost\n"
+        return {
+            self.ns_a: f"{loopback}127.0.1.1 node0\n{self.addr_b} node1\n",
+            self.ns_b: f"{loopback}127.0.1.1 node1\n{self.addr_a} node0\n",
+        }
 
 
 def remove_namespaces(names):
@@ -73,15 +84,18 @@ def remove_namespaces(names):
     return problems
 
 
-@pytest.fixture
-def network():
-    if not shutil.which("ip"):
-        pytest.skip("needs the `ip` command (iproute2) to make network namespaces")
+def make_network(ipv6=False):
+    """The two namespaces, with IPv4 addresses or with IPv6 addresses only; removed, and checked empty, after."""
+    if not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs the `ip` command (iproute2) and `unshare` (util-linux) to make the two hosts")
     if os.geteuid() != 0:
         pytest.skip("needs root to make network namespaces (ip netns add)")
     base = f"dpt{os.getpid()}{secrets.token_hex(4)}"[:12]  # unique to this run; +a/b keeps names <= 15 chars
-    subnet = f"198.{18 + secrets.randbelow(2)}.{secrets.randbelow(256)}"  # benchmarking range 198.18.0.0/15
-    net = Network(f"{base}a", f"{base}b", f"{base}a", f"{base}b", f"{subnet}.1", f"{subnet}.2")
+    if ipv6:  # a random unique local prefix (fd00::/8), no IPv4 on the veth pair
+        prefix, length = f"fd{secrets.token_hex(1)}:{secrets.token_hex(2)}::", 64
+    else:  # the benchmarking range 198.18.0.0/15
+        prefix, length = f"198.{18 + secrets.randbelow(2)}.{secrets.randbelow(256)}.", 24
+    net = Network(f"{base}a", f"{base}b", f"{base}a", f"{base}b", f"{prefix}1", f"{prefix}2")
     made = []
     try:
         for ns in (net.ns_a, net.ns_b):
@@ -94,7 +108,7 @@ def network():
         ]
         for ns, name, addr in ((net.ns_a, net.if_a, net.addr_a), (net.ns_b, net.if_b, net.addr_b)):
             steps += [
-                ("-n", ns, "addr", "add", f"{addr}/24", "dev", name),
+                ("-n", ns, "addr", "add", f"{addr}/{length}", "dev", name, *(["nodad"] if ipv6 else [])),
                 ("-n", ns, "link", "set", "lo", "up"),
                 ("-n", ns, "link", "set", name, "up"),
             ]
@@ -102,11 +116,27 @@ def network():
             result = ip(*step, check=False)
             if result.returncode != 0:
                 pytest.skip(f"cannot set up the veth pair (ip {' '.join(step)}): {result.stderr.strip()}")
+        for ns, hosts in net.hosts_files().items():
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(hosts)
         yield net
     finally:
         problems = remove_namespaces(made)
+        for ns in made:
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         if problems:
             pytest.fail("cleaning up the namespaces: " + "; ".join(problems))
+
+
+@pytest.fixture
+def network():
+    yield from make_network()
+
+
+@pytest.fixture
+def network6():
+    yield from make_network(ipv6=True)
 
 
 @dataclass
@@ -122,12 +152,13 @@ class Machine:
     """One machine's launch, in its namespace, in its own session (so its process group can be killed).
     Output goes to files: two machines' tracebacks cannot fill a pipe nobody reads."""
 
-    def __init__(self, label, ns, argv, env, folder):
+    def __init__(self, label, ns, argv, env, folder, hostname):
         self.label = label
         self.out, self.err = folder / f"{label}.stdout", folder / f"{label}.stderr"
+        named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, *map(str, argv)],
+                ["ip", "netns", "exec", ns, *named, *map(str, argv)],
                 stdout=out,
                 stderr=err,
                 env=env,
@@ -210,29 +241,44 @@ def common_args(data_dir, timeout=PEER_TIMEOUT):
     ]
 
 
-def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT):
-    """The script's own two-machine launch: machine i in namespace i, both told machine 0's veth address."""
-    args = [
-        *common_args(data_dir, timeout),
-        "--num-machines",
-        2,
-        "--num-processes",
-        2,
-        "--master-addr",
-        net.addr_a,
-        "--master-port",
-        port,
-    ]
+def launch_machines(net, folder, env, argv_of, label="machine"):
+    """One launch per machine: argv_of(i) is machine i's command, run in its namespace under its host name.
+    env is one environment for both, or a list of one per machine."""
+    envs = env if isinstance(env, list) else [env, env]
     return [
-        Machine(
-            f"machine{i}",
-            ns,
-            [sys.executable, SCRIPT, "--machine-id", i, *args, "--metrics-json", folder / f"m{i}.json"],
-            env,
-            folder,
-        )
-        for i, ns in enumerate((net.ns_a, net.ns_b))
+        Machine(f"{label}{i}", ns, argv_of(i), envs[i], folder, f"node{i}") for i, ns in enumerate((net.ns_a, net.ns_b))
     ]
+
+
+def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT, master_addr="node0", extra=()):
+    """The script's own two-machine launch, the README's command: 2 processes on each of node0 and node1.
+    master_addr is one for both machines, or a list of one per machine."""
+    addrs = master_addr if isinstance(master_addr, list) else [master_addr, master_addr]
+    return launch_machines(
+        net,
+        folder,
+        env,
+        lambda i: [
+            *[sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", i, "--num-processes", 2],
+            *["--master-addr", addrs[i], "--master-port", port, *common_args(data_dir, timeout)],
+            *["--metrics-json", folder / f"m{i}.json", *extra],
+        ],
+    )
+
+
+def torchrun_machines(net, data_dir, folder, rendezvous):
+    """torchrun on each machine, 2 processes each, with the given rendezvous flags."""
+    return launch_machines(
+        net,
+        folder,
+        env_without_interface(),
+        lambda i: [
+            *[sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--nproc-per-node", 2],
+            *rendezvous(i),
+            *[SCRIPT, *common_args(data_dir), "--metrics-json", folder / f"m{i}.json"],
+        ],
+        label="torchrun",
+    )
 
 
 def random_port():
@@ -250,63 +296,100 @@ def check_metrics(path, world_size):
     return m
 
 
-@pytest.mark.timeout(RUN_SECONDS + 60)
-def test_script_launch_across_two_namespaces_forms_one_group(network, data_dir, tmp_path):
-    """The script's own launch, once per machine, each told machine 0's veth address: one group of 4 ranks.
-    GLOO_SOCKET_IFNAME is not set: the script has to find the interface that reaches --master-addr."""
-    env = env_without_interface()
-    machines = script_machines(network, random_port(), data_dir, tmp_path, env)
-    results = finish_all(machines, RUN_SECONDS)
+def machine_lines(net):
+    """What rank 0 prints for each machine: its host name, processes, and the interface and address Gloo uses:
+    the veth, never loopback, though machine 0's own name resolves to 127.0.1.1 there."""
+    return [
+        f"Machine 0 (node0): 2 process(es), Gloo on {net.if_a} {net.addr_a}",
+        f"Machine 1 (node1): 2 process(es), Gloo on {net.if_b} {net.addr_b}",
+    ]
+
+
+def check_trained_together(net, results, folder):
+    """One group of 4 trained; rank 0 lives on machine 0, which alone prints results; nothing is left."""
     assert [r.returncode for r in results] == [0, 0], describe(results)
-    check_metrics(tmp_path / "m0.json", 4)
+    check_metrics(folder / "m0.json", 4)
     assert "Finished training in" in results[0].stdout
-    assert f"Gloo uses interface {network.if_a} ({network.addr_a})" in results[0].stdout  # rank 0 says which
-    # Rank 0 lives on machine 0: machine 1 prints no progress, no results, and writes no metrics.
+    lines = results[0].stdout.splitlines()
+    for line in machine_lines(net):
+        assert line in lines, describe(results)
     assert not any(
         line.startswith(("epoch: ", "Test set", "Finished training")) for line in results[1].stdout.splitlines()
     ), results[1].stdout
-    assert not (tmp_path / "m1.json").exists()
+    assert not (folder / "m1.json").exists()
+    assert_namespaces_empty(net)
+
+
+@pytest.mark.timeout(RUN_SECONDS + 60)
+def test_script_launch_across_two_hosts_by_name(network, data_dir, tmp_path):
+    """The script's own launch, once per machine, --master-addr node0: one group of 4 ranks, though node0 maps
+    its own name to 127.0.1.1. GLOO_SOCKET_IFNAME is not set: the script finds the interface on each machine."""
+    machines = script_machines(network, random_port(), data_dir, tmp_path, env_without_interface())
+    check_trained_together(network, finish_all(machines, RUN_SECONDS), tmp_path)
+
+
+@pytest.mark.timeout(RUN_SECONDS + 60)
+def test_torchrun_static_across_two_hosts_by_name(network, data_dir, tmp_path):
+    """torchrun on each machine, static rendezvous on node0's TCPStore at --master-addr:--master-port."""
+    port = random_port()
+    machines = torchrun_machines(
+        network, data_dir, tmp_path, lambda i: ["--node-rank", i, "--master-addr", "node0", "--master-port", port]
+    )
+    check_trained_together(network, finish_all(machines, RUN_SECONDS), tmp_path)
+
+
+@pytest.mark.timeout(RUN_SECONDS + 60)
+def test_torchrun_c10d_across_two_hosts(network, data_dir, tmp_path):
+    """torchrun's c10d rendezvous, the one PyTorch recommends for several nodes: the same command on both,
+    the node ranks are torchrun's to give. Rank 0 may land on either machine."""
+    endpoint, job = f"node0:{random_port()}", secrets.token_hex(4)
+    machines = torchrun_machines(
+        network,
+        data_dir,
+        tmp_path,
+        lambda i: ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job],
+    )
+    results = finish_all(machines, RUN_SECONDS)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    first = 0 if (tmp_path / "m0.json").exists() else 1  # the machine that got rank 0
+    assert not (tmp_path / f"m{1 - first}.json").exists()
+    check_metrics(tmp_path / f"m{first}.json", 4)
+    lines = results[first].stdout.splitlines()
+    for host, interface, address in (("node0", network.if_a, network.addr_a), ("node1", network.if_b, network.addr_b)):
+        assert any(f"({host}): 2 process(es), Gloo on {interface} {address}" in line for line in lines), describe(
+            results
+        )
     assert_namespaces_empty(network)
 
 
 @pytest.mark.timeout(RUN_SECONDS + 60)
-def test_torchrun_across_two_namespaces_forms_one_group(network, data_dir, tmp_path):
-    """torchrun on each machine, static rendezvous on machine 0's TCPStore at --master-addr:--master-port."""
-    port = random_port()
-    env = env_without_interface()
-    machines = [
-        Machine(
-            f"torchrun{i}",
-            ns,
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                2,
-                "--node-rank",
-                i,
-                "--master-addr",
-                network.addr_a,
-                "--master-port",
-                port,
-                "--nproc-per-node",
-                2,
-                SCRIPT,
-                *common_args(data_dir),
-                "--metrics-json",
-                tmp_path / f"m{i}.json",
-            ],
-            env,
-            tmp_path,
-        )
-        for i, ns in enumerate((network.ns_a, network.ns_b))
-    ]
-    results = finish_all(machines, RUN_SECONDS)
+def test_ipv6_only_hosts(network6, data_dir, tmp_path):
+    """Hosts with IPv6 addresses only: machine 0 is given its address in brackets, machine 1 a name that
+    resolves to IPv6 only."""
+    machines = script_machines(
+        network6,
+        random_port(),
+        data_dir,
+        tmp_path,
+        env_without_interface(),
+        master_addr=[f"[{network6.addr_a}]", "node0"],
+    )
+    check_trained_together(network6, finish_all(machines, RUN_SECONDS), tmp_path)
+
+
+CHECK_SECONDS = 60  # a check makes the group and averages once: seconds, not an epoch
+
+
+@pytest.mark.timeout(CHECK_SECONDS + 60)
+def test_check_makes_the_group_and_reports_each_machine(network, data_dir, tmp_path):
+    """--check with the launch commands of a real run: one line per machine, then exit 0, no training."""
+    machines = script_machines(network, random_port(), data_dir, tmp_path, env_without_interface(), extra=["--check"])
+    results = finish_all(machines, CHECK_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
-    check_metrics(tmp_path / "m0.json", 4)
-    assert f"Gloo uses interface {network.if_a} ({network.addr_a})" in results[0].stdout
-    assert not (tmp_path / "m1.json").exists()  # rank 0 is on node 0
+    lines = results[0].stdout.splitlines()
+    assert lines == [*machine_lines(network), "Check passed: 4 processes on 2 machine(s) reached each other"], lines
+    assert results[1].stdout == ""
+    assert not any((tmp_path / f"m{i}.json").exists() for i in range(2))  # nothing trained
     assert_namespaces_empty(network)
 
 
@@ -314,16 +397,44 @@ WRONG_IFNAME_SECONDS = 60  # well under the peers' --timeout: a bad name is repo
 
 
 @pytest.mark.timeout(WRONG_IFNAME_SECONDS + 60)
-def test_wrong_gloo_socket_ifname_is_a_clear_error(network, data_dir, tmp_path):
-    """GLOO_SOCKET_IFNAME naming no interface: each machine stops soon, saying which setting is wrong."""
+@pytest.mark.parametrize("ifname", ["nosuchif0", "noaddr0"])
+def test_wrong_gloo_socket_ifname_is_a_clear_error(network, data_dir, tmp_path, ifname):
+    """GLOO_SOCKET_IFNAME naming no interface, or one without an address: each machine stops soon, saying
+    which setting is wrong and which interfaces it has."""
+    for ns in (network.ns_a, network.ns_b):  # an interface that is up but has no address
+        ip("-n", ns, "link", "add", "noaddr0", "type", "veth", "peer", "name", "noaddr1")
+        ip("-n", ns, "link", "set", "noaddr0", "up")
     env = env_without_interface()
-    env["GLOO_SOCKET_IFNAME"] = "nosuchif0"
+    env["GLOO_SOCKET_IFNAME"] = ifname
     machines = script_machines(network, random_port(), data_dir, tmp_path, env, timeout=2 * WRONG_IFNAME_SECONDS)
     results = finish_all(machines, WRONG_IFNAME_SECONDS)
-    for r in results:
-        assert r.returncode != 0, describe(results)
-        assert "GLOO_SOCKET_IFNAME" in r.stderr and "nosuchif0" in r.stderr, describe([r])
-        assert "Traceback" not in r.stderr, describe([r])
+    for r, interface in zip(results, (network.if_a, network.if_b)):
+        assert r.returncode == 1, describe(results)
+        errors = r.stderr.strip().splitlines()
+        assert errors == [errors[0]] and errors[0].startswith(f"error: GLOO_SOCKET_IFNAME={ifname}: "), describe([r])
+        assert interface in errors[0], describe([r])  # names the interfaces it could have used
         assert "epoch: " not in r.stdout
     assert not (tmp_path / "m0.json").exists()
+    assert_namespaces_empty(network)
+
+
+REFUSED_TIMEOUT = 10  # the peers' --timeout here: machine 0 waits that long for connections that never come
+
+
+@pytest.mark.timeout(REFUSED_TIMEOUT + RUN_SECONDS)
+def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir, tmp_path):
+    """Machine 0 told to use loopback (GLOO_SOCKET_IFNAME=lo): machine 1's Gloo connections are refused. Each
+    machine ends with one line naming the cause, no traceback, nothing left running."""
+    env0, env1 = env_without_interface(), env_without_interface()
+    env0["GLOO_SOCKET_IFNAME"] = "lo"
+    machines = script_machines(network, random_port(), data_dir, tmp_path, [env0, env1], timeout=REFUSED_TIMEOUT)
+    results = finish_all(machines, RUN_SECONDS)
+    for r in results:
+        assert r.returncode == 1, describe(results)
+        lines = r.stderr.strip().splitlines()  # one line from each process that saw the failure, nothing else
+        assert lines and all(line.startswith("error: ") for line in lines), describe([r])
+        assert len(lines) <= 2, describe([r])
+        assert "epoch: " not in r.stdout
+    assert "Gloo cannot connect the processes" in results[1].stderr, describe(results)
+    assert "GLOO_SOCKET_IFNAME" in results[1].stderr  # what to do
     assert_namespaces_empty(network)
