@@ -414,7 +414,9 @@ def test_sbatch_the_readme_recipe_across_two_nodes(cluster, data_dir, tmp_path):
     check_metrics(tmp_path / "m.json", 1)
     assert "Finished training in" in output, output
     # Rank 0 is on node0, and its Gloo reaches node1 over the veth pair.
-    assert f"Gloo uses interface {cluster.namespaces[0]} ({cluster.addrs[0]})" in output, output
+    for i in range(2):  # rank 0 reports each node: its host name, and Gloo on its veth address
+        line = f"Machine {i} (node{i}): 1 process(es), Gloo on {cluster.namespaces[i]} {cluster.addrs[i]}"
+        assert line in output.splitlines(), output
     cluster.assert_no_strays()
 
 
