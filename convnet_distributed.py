@@ -1044,8 +1044,9 @@ def stop_on_sigterm():
 
 
 def stop_with_launcher():
-    """A worker stops when its launcher is gone (SIGKILL, out of memory), never training on as an orphan. A
-    thread watching the parent's pid works on every system (prctl's PR_SET_PDEATHSIG is Linux-only)."""
+    """A worker stops when its launcher is gone (SIGKILL, out of memory), never training on as an orphan. torch's
+    spawn asks Linux for a SIGINT then (PR_SET_PDEATHSIG), which a process started with SIGINT ignored (a
+    background job, nohup) never sees, and other systems never send: a thread watching the parent works everywhere."""
     launcher = mp.parent_process().pid
 
     def watch():
