@@ -31,10 +31,12 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -185,6 +187,7 @@ def train(model, optimizer, data, rank, world_size, args):
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     ddp_model, allreduce = data_parallel(model, rank, world_size, args)
+    print0(layout_line(world_size, args, "in shared memory" if allreduce == "shared-memory" else "over Gloo"))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
@@ -280,9 +283,7 @@ def join_group(rank, world_size, args):
 def data_parallel(model, rank, world_size, args):
     """DDP around model; returns it and how it averages the gradients: "shared-memory" when every process is
     on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo"."""
-    # x86-64 only: the hook relies on its store order (see average), and Linux's /dev/shm.
-    can_share = platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
-    shared_memory = args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and can_share
+    shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
@@ -294,6 +295,13 @@ def data_parallel(model, rank, world_size, args):
         averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
     return ddp_model, "shared-memory" if shared_memory else "gloo"
+
+
+def averages_in_shared_memory(args, world_size):
+    """Whether the gradients may be averaged in shared memory: every process on this machine, Linux on x86-64
+    (the hook relies on x86-64's store order, and on /dev/shm), and no --allreduce gloo."""
+    linux_x86 = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
+    return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux_x86
 
 
 def worker(local_rank, args, data):
@@ -341,6 +349,20 @@ def check_group(world_size, device, args):
 
 def select_device(local_rank):
     return torch.device("cpu")
+
+
+def layout_line(world_size, args, averaging):
+    """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
+    processes = placement(args, 0)[2]
+    return (
+        f"World size {world_size} = {plural(world_size // processes, 'machine')} x {plural(processes, 'process')}; "
+        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
+        f"{plural(torch.get_num_threads(), 'thread')} per process; gradients averaged {averaging}"
+    )
+
+
+def plural(n, word):
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
 
 
 def print0(message):
@@ -454,24 +476,27 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
+    stop_on_sigterm()
     check_gloo_socket_ifname()
     try:
         if under_torchrun():
-            worker(int(os.environ["LOCAL_RANK"]), args, None)
+            worker(int(getenv("LOCAL_RANK")), args, None)
             return
         data = None
         if not args.check:
             # Once per machine, before the workers start: N processes downloading into one folder race.
             prepare_data(args)
-            data = load_data(args)  # handed to the workers in shared memory: one copy per machine
+            data = load_data(args)
         if args.num_processes == 1:
             worker(0, args, data)
-        else:
-            run_workers(args, data, args.num_processes)
-    except KeyboardInterrupt:
+        else:  # handed to the workers in shared memory, one copy per machine, where /dev/shm has room for it
+            run_workers(args, data if data and share_data(data, gradient_room(args)) else None, args.num_processes)
+    except (KeyboardInterrupt, Terminated) as e:
+        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
         checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
-        print(f"Interrupted: every process of this launch stopped{checkpoint}", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+        if getenv("LOCAL_RANK", "0") == "0":  # under torchrun, one line per machine, not one per process
+            print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
+        sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
 
 
 def run_workers(args, data, nprocs):
@@ -485,6 +510,8 @@ def run_workers(args, data, nprocs):
     except mp.ProcessExitedException as e:
         if e.exit_code == 130:
             raise KeyboardInterrupt from None
+        if e.exit_code == 143 or e.signal_name == "SIGTERM":
+            raise Terminated from None
         # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
         rank = placement(args, e.error_index)[0]
@@ -494,27 +521,34 @@ def run_workers(args, data, nprocs):
             else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
         )
     finally:
-        for process in context.processes:  # Ctrl-C here: no worker may outlive the launch
-            if process.is_alive():
-                process.terminate()
-            process.join()
+        stop_workers(context.processes)
 
 
 def spawned_worker(local_rank, args, data):
+    stop_on_sigterm()
+    stop_with_launcher()
     try:
         worker(local_rank, args, data)
     except KeyboardInterrupt:
         sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
+    except Terminated:
+        sys.exit(143)
 
 
 def under_torchrun():
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return all(getenv(name) is not None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def one_process_per_launch():
+    """RANK and WORLD_SIZE without LOCAL_RANK: each launch is one process of the job, as Kubeflow's PyTorchJob
+    and hand-written env:// jobs start it."""
+    return getenv("RANK") is not None and getenv("WORLD_SIZE") is not None and getenv("LOCAL_RANK") is None
 
 
 def placement(args, local_rank):
     """(rank, world size, processes on this machine): the one place they are worked out."""
     if under_torchrun():
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        return int(getenv("RANK")), int(getenv("WORLD_SIZE")), int(getenv("LOCAL_WORLD_SIZE", 1))
     return (
         args.machine_id * args.num_processes + local_rank,
         args.num_machines * args.num_processes,
@@ -664,33 +698,45 @@ def build_parser():
 
 def fill_layout(parser, args):
     """Machines, processes, this machine's id and machine 0's address: the flags, else the environment,
-    else one process on one machine. Under torchrun its environment decides: a flag that says otherwise
-    is reported, not ignored."""
-    env, torchrun = os.environ, {}
-    if under_torchrun():
-        local = int(env.get("LOCAL_WORLD_SIZE", 1))
-        torchrun = {
-            "num_processes": local, "num_machines": int(env["WORLD_SIZE"]) // local,
-            "machine_id": int(env.get("GROUP_RANK", 0)), "master_addr": host(env.get("MASTER_ADDR", "")) or None,
-            "master_port": env.get("MASTER_PORT"),
-        }  # fmt: skip
+    else one process on one machine. Where a launcher set the layout (torchrun, or RANK and WORLD_SIZE
+    alone) its environment decides: a flag that says otherwise is reported, not ignored."""
+    master = {"master_addr": host(getenv("MASTER_ADDR", "")) or None, "master_port": getenv("MASTER_PORT")}
+    try:
+        if under_torchrun():
+            local = int(getenv("LOCAL_WORLD_SIZE", 1))
+            decided = {
+                "num_processes": local, "num_machines": int(getenv("WORLD_SIZE")) // local,
+                "machine_id": int(getenv("GROUP_RANK", 0)), **master,
+            }  # fmt: skip
+            launcher, fix = "torchrun, which set", "give torchrun the same"
+        elif one_process_per_launch():
+            rank, world_size = int(getenv("RANK")), int(getenv("WORLD_SIZE"))
+            decided = {"num_processes": 1, "num_machines": world_size, "machine_id": rank, **master}
+            launcher = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of"
+            launcher, fix = f"{launcher} {world_size}), which set", "unset RANK and WORLD_SIZE"
+        else:
+            decided = {}
+    except ValueError:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        found = " ".join(f"{name}={getenv(name)!r}" for name in names if getenv(name) is not None)
+        parser.error(f"the environment sets {found}: each must be a whole number")
     defaults = {
         "num_processes": 1, "num_machines": 1, "machine_id": 0,
-        "master_addr": host(env.get("MASTER_ADDR", "127.0.0.1")), "master_port": env.get("MASTER_PORT", "8892"),
+        "master_addr": host(getenv("MASTER_ADDR", "127.0.0.1")), "master_port": getenv("MASTER_PORT", "8892"),
     }  # fmt: skip
     for name, default in defaults.items():
-        given, decided = getattr(args, name), torchrun.get(name)
-        if given is not None and decided is not None and str(given) != str(decided):
+        given, set_by_launcher = getattr(args, name), decided.get(name)
+        if given is not None and set_by_launcher is not None and str(given) != str(set_by_launcher):
             parser.error(
-                f"--{name.replace('_', '-')} {given} disagrees with torchrun, which set {decided}: "
-                "drop the flag, or give torchrun the same"
+                f"--{name.replace('_', '-')} {given} disagrees with {launcher} {set_by_launcher}: "
+                f"drop the flag, or {fix}"
             )
-        setattr(args, name, next(v for v in (given, decided, default) if v is not None))
+        setattr(args, name, next(v for v in (given, set_by_launcher, default) if v is not None))
     try:
         args.master_port = port(str(args.master_port))
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(
-            f"MASTER_PORT={env['MASTER_PORT']!r} in the environment is not a port number (1-65535): "
+            f"MASTER_PORT={getenv('MASTER_PORT')!r} in the environment is not a port number (1-65535): "
             "fix it, or pass --master-port"
         )
 
@@ -724,22 +770,36 @@ def port(text):
 def default_threads(processes_per_machine):
     """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
     out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return positive_int(os.environ["OMP_NUM_THREADS"])
-    return max(1, len(os.sched_getaffinity(0)) // processes_per_machine)
+    if getenv("OMP_NUM_THREADS"):
+        return positive_int(getenv("OMP_NUM_THREADS"))
+    return max(1, usable_cores() // processes_per_machine)
+
+
+def usable_cores():
+    """The cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere every core), capped at
+    SLURM_CPUS_PER_TASK where set: under SLURM's task/none nothing pins a task to the cores it was given."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    slurm = getenv("SLURM_CPUS_PER_TASK", "")
+    return min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores
+
+
+def getenv(name, default=None):
+    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
+    to torchrun and most launchers."""
+    return os.environ.get(name) or default
 
 
 # ---- Robustness and speed machinery (can be skipped on a first reading) -------------------------------------
 # What makes the story above fail clearly and run fast on CPUs: a rendezvous that names a missing machine,
 # the network interface Gloo listens on, gradients averaged in shared memory, the allocator kept warm,
-# and a layout fix for max-pool's backward.
+# a layout fix for max-pool's backward, what fits in /dev/shm, and stopping every process on SIGTERM.
 
 
 def rendezvous(rank, world_size, args):
     """The store every process of the job meets at. Arrivals are counted, so that a machine that never
     starts is reported after --timeout, not waited for in silence."""
     if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
-        served = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
+        served = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
         resolve(args.master_addr, rank, time.monotonic() + args.timeout)
         agent_store = dist.TCPStore(
             args.master_addr,
@@ -750,7 +810,7 @@ def rendezvous(rank, world_size, args):
         )
         # The store outlives a restart (--max-restarts): keep each attempt's keys apart, or a restarted
         # group reads the previous attempt's addresses and Gloo connects to a process that is gone.
-        return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
+        return dist.PrefixStore(f"attempt-{getenv('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
     deadline = time.monotonic() + args.timeout
     store = open_store(rank, world_size, args, deadline)
     try:
@@ -827,15 +887,14 @@ def choose_gloo_interface(store, rank, world_size, args):
     it at. A GLOO_SOCKET_IFNAME set by the user wins."""
     per_machine = placement(args, 0)[2]
     spans_machines = world_size > per_machine
-    linux = sys.platform.startswith("linux")
-    addresses = interface_addresses() if linux else {}
+    addresses = interface_addresses()  # None: this system cannot list them
     if spans_machines:
         near, far = connection_ends(args.master_addr, args.master_port)
         store.set(f"ends/{rank}", f"{near} {far}")
-    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    name = getenv("GLOO_SOCKET_IFNAME")
     if name:  # checked by check_gloo_socket_ifname() before the processes started
-        address = addresses.get(name.split(",")[0], ["its address"])[0]
-    elif spans_machines and linux:
+        address = (addresses or {}).get(name.split(",")[0], ["its address"])[0]
+    elif spans_machines and addresses is not None:
         address = near
         if is_loopback(near):  # this machine serves the rendezvous: a process of another machine knows
             other = per_machine if args.machine_id == 0 else 0
@@ -850,9 +909,13 @@ def choose_gloo_interface(store, rank, world_size, args):
         os.environ["GLOO_SOCKET_IFNAME"] = name  # read by Gloo when the process group is made
     else:  # Gloo's own choice: the address this host's name resolves to, else loopback
         address = hostname_address()
-        name = next((n for n, held in addresses.items() if address in held), "the host name's interface")
-    if spans_machines and not linux and not os.environ.get("GLOO_SOCKET_IFNAME") and rank == 0:
-        print("Gloo's interface is chosen on Linux only: set GLOO_SOCKET_IFNAME on each machine", flush=True)
+        name = next((n for n, held in (addresses or {}).items() if address in held), "the host name's interface")
+        if spans_machines and rank == 0:  # only where this system cannot list its interfaces
+            print(
+                f"This system ({sys.platform}) cannot tell which network interface reaches the other machines: "
+                "set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails to connect",
+                flush=True,
+            )
     if rank % per_machine == 0:  # one report per machine, for rank 0 to print
         report = [socket.gethostname(), per_machine, name, address]
         store.set(f"machine/{args.machine_id}", json.dumps(report))
@@ -865,10 +928,10 @@ def choose_gloo_interface(store, rank, world_size, args):
 def check_gloo_socket_ifname():
     """A GLOO_SOCKET_IFNAME that names no interface of this machine, or one without an address, is a mistake
     Gloo would report as a C++ exception in every process: report it once, before anything starts."""
-    name = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not name or not sys.platform.startswith("linux"):
+    name = getenv("GLOO_SOCKET_IFNAME")
+    addresses = interface_addresses() if name else None
+    if addresses is None:  # unset, or this system cannot list its interfaces: Gloo will say
         return
-    addresses = interface_addresses()
     for one in name.split(","):
         if not addresses.get(one):
             have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(addresses.items()))
@@ -898,9 +961,14 @@ def hostname_address():
 
 
 def interface_addresses():
-    """{interface: its addresses, in the order Gloo takes them: IPv4, then IPv6 of wider scope first} (Linux)."""
-    import fcntl  # Unix only, and this runs on Linux only
-
+    """{interface: its addresses, in the order Gloo takes them: IPv4, then IPv6 of wider scope first}; None where
+    they cannot be listed (SIOCGIFADDR is Linux's; fcntl is Unix-only, hence imported here)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    if not sys.platform.startswith("linux"):
+        return None
     found = {name: [] for _, name in socket.if_nameindex()}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for name in found:
@@ -931,7 +999,7 @@ class SharedMemoryAverager:
         # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind.
         path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
-        size = 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
+        size = SharedMemoryAverager.floats(numel, world_size)
         if rank == 0:
             region = torch.from_file(path[0], shared=True, size=size)
         dist.barrier()  # created: the others may map it
@@ -943,6 +1011,23 @@ class SharedMemoryAverager:
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
+
+    @staticmethod
+    def floats(numel, world_size):
+        return 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
+
+    @staticmethod
+    def fits(model, rank, world_size):
+        """Whether /dev/shm has room for the averager (every rank gets rank 0's answer). Under torchrun nobody
+        else has looked, so rank 0 says when it has not (the script's own launcher said so already)."""
+        need = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
+        answer = [None]
+        if rank == 0:
+            _, answer[0], shortfall = shared_memory_plan(gradients=need)
+            if shortfall and under_torchrun():
+                print(shortfall, flush=True)
+        dist.broadcast_object_list(answer, src=0)
+        return answer[0]
 
     def average(self, bucket):
         grads = bucket.buffer()
@@ -1033,6 +1118,90 @@ def last_line(error):
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
     gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
     return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
+
+
+def share_data(data, gradients=0):
+    """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
+    (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
+    data_fits, _, shortfall = shared_memory_plan(sum(t.untyped_storage().nbytes() for t in data), gradients)
+    if shortfall:
+        print(shortfall, flush=True)
+    return data_fits
+
+
+def shared_memory_plan(data=0, gradients=0):
+    """(data fits, gradients fit, None or the line saying what does not fit and the fix) for /dev/shm, a tmpfs of
+    fixed size (64 MiB in a Docker or Kubernetes container by default): a process that touches a page of it beyond
+    that dies of SIGBUS. The gradient average goes first, as it speeds every step. Where there is no /dev/shm
+    (macOS, Windows) the system's shared memory has no such cap."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows)
+        return True, True, None
+    free, slack = stats.f_bavail * stats.f_frsize, 1 << 20  # slack: page rounding, and the small files of others
+    gradients_fit = gradients + slack <= free
+    data_fits = data + (gradients if gradients_fit else 0) + slack <= free
+    left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
+    if not gradients_fit:
+        left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
+    shortfall = left_out and (
+        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for {' and '.join(what for what, _ in left_out)}: "
+        f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
+        "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
+    )
+    return data_fits, gradients_fit, shortfall or None
+
+
+def gradient_room(args):
+    """The bytes the launcher keeps free in /dev/shm for the SharedMemoryAverager, where the workers will use it."""
+    if not averages_in_shared_memory(args, args.num_processes * args.num_machines):
+        return 0
+    return 4 * SharedMemoryAverager.floats(sum(p.numel() for p in ConvNet().parameters()), args.num_processes)
+
+
+class Terminated(BaseException):
+    """SIGTERM (kill, timeout, docker stop, Kubernetes, SLURM's scancel, torchrun), raised where the process
+    is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
+
+
+def stop_on_sigterm():
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def stop_with_launcher():
+    """A worker stops when its launcher is gone (SIGKILL, out of memory), never training on as an orphan. torch's
+    spawn asks Linux for a SIGINT then (PR_SET_PDEATHSIG), which a process started with SIGINT ignored (a
+    background job, nohup) never sees, and other systems never send: a thread watching the parent works everywhere."""
+    launcher = mp.parent_process().pid
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # the usual clean stop (the Terminated exception)
+        time.sleep(10)
+        os._exit(143)  # still here: stuck in a call that never returns to Python
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def stop_workers(processes):
+    """No worker outlives its launcher: SIGTERM to each still running, SIGKILL to those left after 10 s. A second
+    Ctrl-C or SIGTERM meanwhile is ignored, so that it cannot cut this short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + 10
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 if __name__ == "__main__":

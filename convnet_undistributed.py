@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -153,6 +154,8 @@ def train(model, optimizer, data, args):
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
+    threads = plural(torch.get_num_threads(), "thread")
+    print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging", flush=True)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
         torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken run
@@ -216,6 +219,10 @@ def evaluate(model, images, labels, args):
             totals[2] += len(idx)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
+
+
+def plural(n, word):
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
 
 
 # ---- 5. Checkpoint and metrics ------------------------------------------------------------------------------
@@ -307,6 +314,7 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
+    stop_on_sigterm()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     try:
@@ -318,10 +326,11 @@ def main(argv=None):
         keep_pool_gradient_channels_last(model)
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         train(model, optimizer, data, args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
+        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
         checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
-        print(f"Interrupted{checkpoint}", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+        print(f"{how}{checkpoint}", file=sys.stderr)
+        sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
 
 
 def parse_args(argv=None):
@@ -416,13 +425,28 @@ def positive_float(text):
 
 def default_threads():
     """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return positive_int(os.environ["OMP_NUM_THREADS"])
-    return len(os.sched_getaffinity(0))
+    if getenv("OMP_NUM_THREADS"):
+        return positive_int(getenv("OMP_NUM_THREADS"))
+    return usable_cores()
 
 
-# ---- Speed machinery (can be skipped on a first reading) ----------------------------------------------------
-# What makes the story above run fast on CPUs: the allocator kept warm, and a layout fix for max-pool's backward.
+def usable_cores():
+    """The cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere every core), capped at
+    SLURM_CPUS_PER_TASK where set: under SLURM's task/none nothing pins a task to the cores it was given."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    slurm = getenv("SLURM_CPUS_PER_TASK", "")
+    return min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores
+
+
+def getenv(name, default=None):
+    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
+    to torchrun and most launchers."""
+    return os.environ.get(name) or default
+
+
+# ---- Speed and robustness machinery (can be skipped on a first reading) -------------------------------------
+# What makes the story above run fast on CPUs: the allocator kept warm, and a layout fix for max-pool's backward;
+# and SIGTERM, which stops the run as Ctrl-C does.
 
 
 def keep_freed_memory():
@@ -459,6 +483,19 @@ def keep_pool_gradient_channels_last(model):
             pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
+
+
+class Terminated(BaseException):
+    """SIGTERM (kill, timeout, docker stop, Kubernetes, SLURM's scancel, torchrun), raised where the process
+    is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
+
+
+def stop_on_sigterm():
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def free_port():
 
 
 # Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
-LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK")  # fmt: skip
 
 
 def script_env(**extra):

@@ -2,6 +2,8 @@
 
 import argparse
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch
 import convnet_distributed
 import convnet_distributed_cuda
 import convnet_undistributed
-from conftest import run_script, script_env
+from conftest import REPO, run_script, script_env
 
 ARTICLE_MULTI_MACHINE = "--num_machines=2 --num-processes 8 --machine_id=1 --epochs 1 --batch-size 16".split()
 
@@ -144,3 +146,61 @@ def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, 
     with pytest.raises(SystemExit) as exit:
         convnet_distributed.parse_args(flags)
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-processes", "4"], "--num-processes 4 disagrees with RANK=1 WORLD_SIZE=2 in the environment"),
+        (["--num-machines", "3"], "--num-machines 3 disagrees with RANK=1 WORLD_SIZE=2"),
+        (["--machine-id", "0"], "--machine-id 0 disagrees with RANK=1 WORLD_SIZE=2"),
+    ],
+)
+def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
+    clean_env, monkeypatch, capsys, flags, message
+):
+    """Kubeflow's PyTorchJob sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each pod, and no LOCAL_RANK."""
+    for name, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    args = convnet_distributed.parse_args([])
+    assert (args.num_processes, args.num_machines, args.machine_id) == (1, 2, 1)
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 29500)
+    assert convnet_distributed.placement(args, 0) == (1, 2, 1) and not convnet_distributed.under_torchrun()
+    assert convnet_distributed.parse_args(["--num-processes", "1", "--machine-id", "1"]).num_machines == 2
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.parse_args(flags)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and message in err and "unset RANK and WORLD_SIZE" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("module", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
+def test_an_empty_environment_variable_is_unset(clean_env, monkeypatch, module):
+    """`MASTER_PORT=` was an error while an empty OMP_NUM_THREADS was ignored: now every empty variable is unset."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK"):  # fmt: skip
+        monkeypatch.setenv(name, "")
+    args = module.parse_args([])
+    assert args.threads == 4
+    if module is not convnet_undistributed:
+        assert (args.master_addr, args.master_port, args.machine_id, args.num_machines) == ("127.0.0.1", 8892, 0, 1)
+        assert not module.under_torchrun() and not module.one_process_per_launch()
+
+
+def test_master_port_empty_in_a_launch_is_the_default_not_an_error():
+    parsed = subprocess.run(
+        [sys.executable, "-c", "import convnet_distributed as c; print(c.parse_args([]).master_port)"],
+        cwd=REPO, env=script_env(MASTER_PORT=""), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert parsed.returncode == 0 and parsed.stdout.strip() == "8892", parsed.stderr
+
+
+def test_default_threads_honour_slurm_cpus_per_task(clean_env, monkeypatch):
+    """Under SLURM's task/none nothing pins a task to its cores: each process took every core of the node."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    assert convnet_undistributed.parse_args([]).threads == 4
+    assert convnet_distributed.parse_args(["--num-processes", "2"]).threads == 2
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")  # more than this machine has: the cores it has
+    assert convnet_distributed.parse_args([]).threads == 16

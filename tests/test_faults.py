@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import convnet_distributed
-from conftest import REPO, finish, free_port, launch, read_json, script_env, wait_for_line
+from conftest import REPO, finish, free_port, kill_group, launch, read_json, script_env, wait_for_line
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -218,6 +218,109 @@ def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
     assert seconds < 30
     assert left_running(proc.pid) == []
     assert torch.load(ck, weights_only=True)["epoch"] >= 0
+
+
+def assert_terminated(result, ck, seconds, pgid):
+    """SIGTERM's end: status 143, one line saying so, within seconds, nothing left, the checkpoint whole."""
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.startswith("Terminated (SIGTERM)") and str(ck) in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert seconds < 30
+    assert left_running(pgid) == []
+    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+    assert [p.name for p in ck.parent.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+@pytest.mark.parametrize(
+    "script,processes,target",
+    [
+        ("convnet_undistributed.py", 1, "group"),
+        ("convnet_distributed.py", 2, "group"),
+        ("convnet_distributed.py", 2, "launcher"),
+    ],
+)
+def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_path, script, processes, target):
+    """`kill PID`, `timeout`, docker stop and Kubernetes signal the launcher alone; `kill -TERM -PGID` and SLURM's
+    scancel signal every process. The launcher alone once died at once, and its workers trained on as orphans."""
+    ck = tmp_path / "ck.pt"
+    extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
+    proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50, "--log-interval", 1,
+                  "--checkpoint", ck, *extra)  # fmt: skip
+    wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    result, seconds = ended(proc, within=60)
+    assert_terminated(result, ck, seconds, proc.pid)
+
+
+def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
+    ck = tmp_path / "ck.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir), "--batch-size", "64",
+           "--epochs", "50", "--log-interval", "1", "--checkpoint", str(ck)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), start_new_session=True
+    )
+    wait_for_line(proc, "epoch: 1 [3/")
+    proc.send_signal(signal.SIGTERM)  # torchrun sends SIGTERM to each worker
+    result, seconds = ended(proc, within=60)
+    lines = [line for line in result.stderr.splitlines() if "Terminated (SIGTERM)" in line]
+    assert lines == [f"Terminated (SIGTERM): every process of this launch stopped; {ck} holds the last complete epoch"]
+    assert seconds < 30 and left_running(proc.pid) == []
+    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+
+
+def test_workers_stop_when_their_launcher_is_killed(data_dir):
+    """SIGKILL (or the out-of-memory killer) gives the launcher no chance to stop its workers: they notice. Started
+    as a script's background job, with SIGINT ignored, where torch's own parent-death signal (SIGINT) goes unheard."""
+    cmd = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir),
+           "--num-processes", "2", "--batch-size", "64", "--master-port", str(free_port()), "--epochs", "50",
+           "--log-interval", "1"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    wait_for_line(proc, "epoch: 0 [3/")
+    ranks = workers(proc)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait(timeout=30)  # not its output: the workers hold the pipes open while they run
+    gone, alive = psutil.wait_procs(ranks, timeout=20)
+    kill_group(proc)
+    proc.communicate()
+    assert alive == [], f"still training after their launcher died: {alive}"
+
+
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
+    ck = tmp_path / "ck.pt"
+
+    def run(*args, name):
+        return job(data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args)
+
+    whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
+    assert whole.returncode == 0, whole.stderr
+    stopped = run(name="stopped.json")
+    wait_for_line(stopped, "epoch: 1 [2/")
+    stopped.send_signal(signal.SIGTERM)
+    result, seconds = ended(stopped, within=60)
+    assert_terminated(result, ck, seconds, stopped.pid)
+    assert torch.load(ck, weights_only=True)["epoch"] == 0
+    resumed = finish(run(name="resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "starting epoch 1" in resumed.stdout
+    a, b = read_json(tmp_path / "resumed.json"), read_json(tmp_path / "whole.json")
+    assert a["epochs_trained"] == 2 and b["epochs_trained"] == 3
+    assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4)
+    assert [h["train_loss"] for h in a["history"]] == pytest.approx(
+        [h["train_loss"] for h in b["history"][1:]], rel=1e-4
+    )
 
 
 def test_killed_while_writing_a_checkpoint_the_previous_one_still_loads(tmp_path):

@@ -44,6 +44,18 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
     assert all(int(m[3]) == batches for m in progress)
     assert len([line for line in lines if line.startswith("Test set, epoch")]) == epochs
     m = read_json(metrics_path)
+    # Before training, one line with the layout: nobody trains alone, or on another layout, unawares.
+    layout = [line for line in lines if line.startswith("World size ")]
+    assert len(layout) == 1 and lines.index(layout[0]) < lines.index(progress[0][0]), lines
+    threads = f"{m['threads']} thread{'s' if m['threads'] > 1 else ''}"
+    if world_size == 1 and m["script"] == "convnet_undistributed.py":
+        assert layout[0] == f"World size 1 = 1 process; batch {batch_size}; {threads}; no gradient averaging"
+    else:
+        assert layout[0].startswith(f"World size {world_size} = "), layout
+        assert (
+            f"; global batch {batch_size * world_size} = {world_size} x {batch_size}; {threads} per process;"
+            in (layout[0])
+        )
     assert METRIC_KEYS <= set(m)
     assert (m["world_size"], m["batch_size"], m["global_batch_size"]) == (
         world_size,
@@ -98,6 +110,9 @@ def test_distributed_article_commands_train(data_dir, tmp_path, processes, batch
         timeout=240,
     )
     m = check_run(result, metrics, processes, batch_size)
+    averaged = "in shared memory" if processes > 1 else "over Gloo"
+    assert f"World size {processes} = 1 machine x {processes} process" in result.stdout
+    assert f"gradients averaged {averaged}\n" in result.stdout
     assert m["script"] == "convnet_distributed.py"
     assert m["threads"] == max(1, len(os.sched_getaffinity(0)) // processes)  # no oversubscription
     assert m["test_accuracy"] > 0.8  # chance is 0.1
@@ -139,6 +154,28 @@ def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
     check_run(result0, tmp_path / "m0.json", 4, 32)
     assert "epoch: " not in result1.stdout  # rank 0 lives on machine 0: machine 1 prints no progress
     assert not (tmp_path / "m1.json").exists()
+
+
+def test_launches_given_rank_and_world_size_without_local_rank_form_one_group(data_dir, tmp_path):
+    """Kubeflow's PyTorchJob, and hand-written env:// jobs: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, no
+    LOCAL_RANK. Each launch joins as one process; rank 0 once trained alone, and rank 1 could not serve the store."""
+    port = free_port()
+    common = ["--batch-size", 64, "--data-dir", data_dir, "--threads", 1]
+    launches = [
+        launch(
+            "convnet_distributed.py",
+            *common,
+            "--metrics-json",
+            tmp_path / f"m{rank}.json",
+            env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        )
+        for rank in (1, 0)
+    ]
+    result1, result0 = (finish(p, 180) for p in launches)
+    assert result1.returncode == 0, result1.stderr
+    m = check_run(result0, tmp_path / "m0.json", 2, 64)
+    assert "World size 2 = 2 machines x 1 process;" in result0.stdout
+    assert m["test_accuracy"] > 0.8 and not (tmp_path / "m1.json").exists()
 
 
 def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):

@@ -1,0 +1,116 @@
+"""/dev/shm, a tmpfs of fixed size (64 MiB in a Docker or Kubernetes container): what does not fit there is not
+shared, and the run trains all the same; a process that touched a page beyond its size died of SIGBUS."""
+
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import convnet_distributed
+from conftest import REPO, free_port, read_json, script_env
+
+MIB = 1 << 20
+REAL_DATA = 47_040_000 + 7_840_000 + 480_000 + 80_000  # MNIST's images and labels as the launcher holds them
+AVERAGER_8 = 4 * convnet_distributed.SharedMemoryAverager.floats(300_426, 8)  # 8 processes: 18 MiB
+
+
+def fake_statvfs(free):
+    def statvfs(path):
+        assert path == "/dev/shm"
+        return SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
+
+    return statvfs
+
+
+@pytest.mark.parametrize(
+    "free,data_fits,gradients_fit",
+    [(1024 * MIB, True, True), (64 * MIB, False, True), (16 * MIB, False, False), (70 * MIB, True, False)],
+)
+def test_what_does_not_fit_in_dev_shm_is_not_shared_and_the_line_says_how_to_fix_it(
+    monkeypatch, free, data_fits, gradients_fit
+):
+    """A container's 64 MiB: MNIST (55 MB) and the gradient areas of 8 processes (19 MB) do not both fit. The
+    gradient average goes first; the data then stays out, each worker loading its own copy."""
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(free))
+    # 70 MiB and areas of 100 MiB (many processes): the data is shared, and the gradients go over Gloo.
+    data, gradients = REAL_DATA, 100 * MIB if free == 70 * MIB else AVERAGER_8
+    fits_data, fits_gradients, line = convnet_distributed.shared_memory_plan(data, gradients)
+    assert (fits_data, fits_gradients) == (data_fits, gradients_fit)
+    if data_fits and gradients_fit:
+        assert line is None
+        return
+    assert line.startswith(f"/dev/shm has {free // MIB} MiB free, too little for ")
+    assert ("the data (53 MiB)" in line) != data_fits and ("each process loads its own copy" in line) != data_fits
+    assert ("gradients are averaged over Gloo" in line) != gradients_fit
+    assert "--shm-size=1g" in line and "emptyDir with medium: Memory" in line
+    assert "\n" not in line
+
+
+def test_the_launcher_keeps_the_data_out_of_a_small_dev_shm(monkeypatch, capsys):
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(64 * MIB))
+    args = convnet_distributed.parse_args(["--num-processes", "8", "--master-port", "1"])
+    import torch
+
+    data = (torch.zeros(60000, 28, 28, dtype=torch.uint8), torch.zeros(60000, dtype=torch.int64),
+            torch.zeros(10000, 28, 28, dtype=torch.uint8), torch.zeros(10000, dtype=torch.int64))  # fmt: skip
+    assert convnet_distributed.gradient_room(args) == AVERAGER_8
+    assert convnet_distributed.share_data(data, convnet_distributed.gradient_room(args)) is False
+    assert "too little for the data (53 MiB): each process loads its own copy" in capsys.readouterr().out
+
+
+def test_without_dev_shm_everything_may_be_shared_but_the_averager_is_off(monkeypatch):
+    """macOS and Windows have no /dev/shm: their shared memory has no such cap, and the averager needs Linux's."""
+
+    def missing(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(os, "statvfs", missing)
+    assert convnet_distributed.shared_memory_plan(REAL_DATA, AVERAGER_8) == (True, True, None)
+    args = convnet_distributed.parse_args(["--num-processes", "2", "--master-port", "1"])
+    assert convnet_distributed.averages_in_shared_memory(args, 2)
+    real_isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda path: False if path == "/dev/shm" else real_isdir(path))
+    assert not convnet_distributed.averages_in_shared_memory(args, 2)
+
+
+def namespaces_unavailable():
+    if not shutil.which("unshare"):
+        return "no unshare command (util-linux)"
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"cannot make a mount namespace with its own /dev/shm here: {probe.stderr.strip()}"
+    return None
+
+
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+@pytest.mark.parametrize("size_mib", [64, 16])
+def test_eight_processes_train_in_a_containers_small_dev_shm(data_dir, tmp_path, size_mib):
+    """A mount namespace with a tmpfs of 64 or 16 MiB over /dev/shm: 8 processes, whose gradient areas need 18 MiB.
+    16 MiB once ended the run with SIGBUS; now the gradients go over Gloo, and rank 0 says why."""
+    metrics = tmp_path / "m.json"
+    command = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--num-processes", "8",
+               "--batch-size", "16", "--data-dir", str(data_dir), "--master-port", str(free_port()),
+               "--metrics-json", str(metrics)]  # fmt: skip
+    mount = f'mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", mount, "sh", *command],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr
+    m = read_json(metrics)
+    assert m["world_size"] == 8 and m["test_accuracy"] > 0.8
+    shortfall = [line for line in result.stdout.splitlines() if line.startswith("/dev/shm has")]
+    if size_mib == 64:  # the small generated data and the gradient areas fit
+        assert shortfall == [] and m["allreduce"] == "shared-memory"
+    else:
+        assert len(shortfall) == 1 and "too little for the gradient average (18 MiB)" in shortfall[0], result.stdout
+        assert m["allreduce"] == "gloo"
+        assert "gradients averaged over Gloo" in result.stdout
