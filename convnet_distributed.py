@@ -482,6 +482,7 @@ def main(argv=None):
         if under_torchrun():
             worker(int(getenv("LOCAL_RANK")), args, None)
             return
+        torch.set_num_threads(1)  # no thread pool before the workers fork (see start_method); each sets its own
         data = None
         if not args.check:
             # Once per machine, before the workers start: N processes downloading into one folder race.
@@ -489,8 +490,10 @@ def main(argv=None):
             data = load_data(args)
         if args.num_processes == 1:
             worker(0, args, data)
-        else:  # handed to the workers in shared memory, one copy per machine, where /dev/shm has room for it
-            run_workers(args, data if data and share_data(data, gradient_room(args)) else None, args.num_processes)
+        else:  # a forked worker inherits the data; a spawned one gets it in /dev/shm, where that has room for it
+            fork = start_method() == "fork"
+            shared = share_data(() if fork else data or (), gradient_room(args))
+            run_workers(args, data if fork or shared else None, args.num_processes)
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
         checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
@@ -503,7 +506,9 @@ def run_workers(args, data, nprocs):
     """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(spawned_worker, args=(args, data), nprocs=nprocs, join=False)
+    context = mp.start_processes(
+        spawned_worker, args=(args, data), nprocs=nprocs, join=False, start_method=start_method()
+    )
     try:
         while not context.join():
             pass
@@ -1157,6 +1162,15 @@ def gradient_room(args):
     if not averages_in_shared_memory(args, args.num_processes * args.num_machines):
         return 0
     return 4 * SharedMemoryAverager.floats(sum(p.numel() for p in ConvNet().parameters()), args.num_processes)
+
+
+def start_method():
+    """fork on Linux: a forked worker starts at once, with the launcher's imports and data, where a spawned one
+    imports torch again and receives the data through /dev/shm; and it exits without tearing the interpreter
+    down. Fork is safe here because nothing that fork breaks exists yet: the launcher has kept torch to one
+    thread (no OpenMP pool), made no process group, store or thread of its own. Elsewhere spawn: macOS's
+    system libraries are not fork-safe, and Windows has no fork."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 class Terminated(BaseException):

@@ -481,7 +481,9 @@ def run_workers(args, data, nprocs):
     """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(spawned_worker, args=(args, data), nprocs=nprocs, join=False)
+    context = mp.start_processes(
+        spawned_worker, args=(args, data), nprocs=nprocs, join=False, start_method=start_method()
+    )
     try:
         while not context.join():
             pass
@@ -922,6 +924,12 @@ def shared_memory_plan(data=0, gradients=0):
         "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
     return data_fits, gradients_fit, shortfall or None
+
+
+def start_method():
+    """spawn: CUDA cannot be used in a forked child of a process that has touched it, as the launcher has
+    (it counted the GPUs)."""
+    return "spawn"
 
 
 class Terminated(BaseException):

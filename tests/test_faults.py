@@ -43,10 +43,10 @@ def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=
 
 
 def workers(proc):
-    """The rank processes a launch spawned (not multiprocessing's resource tracker)."""
+    """The rank processes a launch started (forked or spawned; not multiprocessing's resource tracker)."""
     deadline = time.monotonic() + 60
     while True:
-        found = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        found = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
