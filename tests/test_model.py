@@ -32,6 +32,7 @@ SAME_IN_ALL = [
     "keep_freed_memory",
     "release_freed_memory",
     "peak_memory_mib",
+    "exit_at_once",
     "usable_cores",
     "getenv",
     "plural",
