@@ -510,6 +510,7 @@ def spawned_worker(local_rank, args, data):
     try:
         worker(local_rank, args, data)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM to its workers: this one is stopping
         sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
     except Terminated:
         sys.exit(143)
@@ -685,8 +686,11 @@ def fill_layout(parser, args):
         elif one_process_per_launch():
             rank, world_size = int(getenv("RANK")), int(getenv("WORLD_SIZE"))
             decided = {"num_gpu_processes": 1, "num_machines": world_size, "machine_id": rank, **master}
-            launcher = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of"
-            launcher, fix = f"{launcher} {world_size}), which set", "unset RANK and WORLD_SIZE"
+            launcher = (
+                f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size}), "
+                "which set"
+            )
+            fix = "unset RANK and WORLD_SIZE"
         else:
             decided = {}
     except ValueError:

@@ -236,12 +236,11 @@ def assert_terminated(result, ck, seconds, pgid):
     [
         ("convnet_undistributed.py", 1, "group"),
         ("convnet_distributed.py", 2, "group"),
-        ("convnet_distributed.py", 2, "launcher"),
     ],
 )
 def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_path, script, processes, target):
     """`kill PID`, `timeout`, docker stop and Kubernetes signal the launcher alone; `kill -TERM -PGID` and SLURM's
-    scancel signal every process. The launcher alone once died at once, and its workers trained on as orphans."""
+    scancel signal every process. The launcher alone: test_a_run_stopped_by_sigterm_resumes_to_the_same_result."""
     ck = tmp_path / "ck.pt"
     extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
     proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50, "--log-interval", 1,
@@ -299,6 +298,8 @@ def test_workers_stop_when_their_launcher_is_killed(data_dir):
 
 
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
+    """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it once died at once, and its workers
+    trained on as orphans. Now every process stops, and a rerun with --resume ends as an unbroken run."""
     ck = tmp_path / "ck.pt"
 
     def run(*args, name):
