@@ -44,18 +44,16 @@ import tempfile
 import threading
 import time
 
+from common import free_port, positive_int, script_env, write_json
 from runner import busy_cpu_seconds, own_cpu_seconds
 from scaling import (
     CONFIDENCE,
-    SCRUBBED_ENV,
     Target,
     cpu_model,
-    free_port,
     git_commit,
     median_interval,
     package_version,
     quietness,
-    write_json,
 )
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -103,12 +101,6 @@ def command(name, args, metrics_path):
     strategy = {"lightning-ddp": "ddp", "lightning-ddp-spawn": "ddp_spawn"}[name]
     script = os.path.join(BENCH, "peers", "lightning_ddp.py")
     return [python, script, "--strategy", strategy, "--devices", "2", "--batch-size", "64", *common]
-
-
-def script_env():
-    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-    env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed, so their timestamps mean something
-    return env
 
 
 class TimedRun:
@@ -474,13 +466,6 @@ def write_markdown(path, args, facts, records):
 
 
 # --- command line -------------------------------------------------------------------------------
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser():

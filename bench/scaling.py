@@ -49,7 +49,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from common import SCRUBBED_ENV, free_port, positive_int, script_env, write_json  # noqa: F401 (bench/compare.py imports them from here)
+from common import free_port, positive_int, script_env, write_json
 from runner import run_monitored
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
