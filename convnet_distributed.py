@@ -344,7 +344,9 @@ def check_group(world_size, device, args):
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
         sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
-    print0(f"Check passed: {world_size} processes on {args.num_machines} machine(s) reached each other")
+    print0(
+        f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
+    )
 
 
 def select_device(local_rank):
@@ -931,7 +933,7 @@ def choose_gloo_interface(store, rank, world_size, args):
     if rank == 0 and (spans_machines or args.check):
         for machine in range(args.num_machines):
             hostname, count, name, address = json.loads(store.get(f"machine/{machine}"))
-            print(f"Machine {machine} ({hostname}): {count} process(es), Gloo on {name} {address}", flush=True)
+            print(f"Machine {machine} ({hostname}): {plural(count, 'process')}, Gloo on {name} {address}", flush=True)
 
 
 def check_gloo_socket_ifname():

@@ -311,7 +311,9 @@ def check_group(world_size, device, args):
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
         sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
-    print0(f"Check passed: {world_size} processes on {args.num_machines} machine(s) reached each other")
+    print0(
+        f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
+    )
 
 
 def select_device(local_rank):

@@ -300,8 +300,8 @@ def machine_lines(net):
     """What rank 0 prints for each machine: its host name, processes, and the interface and address Gloo uses:
     the veth, never loopback, though machine 0's own name resolves to 127.0.1.1 there."""
     return [
-        f"Machine 0 (node0): 2 process(es), Gloo on {net.if_a} {net.addr_a}",
-        f"Machine 1 (node1): 2 process(es), Gloo on {net.if_b} {net.addr_b}",
+        f"Machine 0 (node0): 2 processes, Gloo on {net.if_a} {net.addr_a}",
+        f"Machine 1 (node1): 2 processes, Gloo on {net.if_b} {net.addr_b}",
     ]
 
 
@@ -356,9 +356,7 @@ def test_torchrun_c10d_across_two_hosts(network, data_dir, tmp_path):
     check_metrics(tmp_path / f"m{first}.json", 4)
     lines = results[first].stdout.splitlines()
     for host, interface, address in (("node0", network.if_a, network.addr_a), ("node1", network.if_b, network.addr_b)):
-        assert any(f"({host}): 2 process(es), Gloo on {interface} {address}" in line for line in lines), describe(
-            results
-        )
+        assert any(f"({host}): 2 processes, Gloo on {interface} {address}" in line for line in lines), describe(results)
     assert_namespaces_empty(network)
 
 
@@ -387,7 +385,7 @@ def test_check_makes_the_group_and_reports_each_machine(network, data_dir, tmp_p
     results = finish_all(machines, CHECK_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     lines = results[0].stdout.splitlines()
-    assert lines == [*machine_lines(network), "Check passed: 4 processes on 2 machine(s) reached each other"], lines
+    assert lines == [*machine_lines(network), "Check passed: 4 processes on 2 machines reached each other"], lines
     assert results[1].stdout == ""
     assert not any((tmp_path / f"m{i}.json").exists() for i in range(2))  # nothing trained
     assert_namespaces_empty(network)

@@ -88,8 +88,8 @@ def test_check_under_torchrun_makes_the_group_and_exits(tmp_path):
     result = finish(proc, 90)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("Machine 0 (") and ": 2 process(es), Gloo on " in lines[0], lines
-    assert lines[1] == "Check passed: 2 processes on 1 machine(s) reached each other"
+    assert len(lines) == 2 and lines[0].startswith("Machine 0 (") and ": 2 processes, Gloo on " in lines[0], lines
+    assert lines[1] == "Check passed: 2 processes on 1 machine reached each other"
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "no-data-here").exists()
 
 

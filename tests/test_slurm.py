@@ -415,7 +415,7 @@ def test_sbatch_the_readme_recipe_across_two_nodes(cluster, data_dir, tmp_path):
     assert "Finished training in" in output, output
     # Rank 0 is on node0, and its Gloo reaches node1 over the veth pair.
     for i in range(2):  # rank 0 reports each node: its host name, and Gloo on its veth address
-        line = f"Machine {i} (node{i}): 1 process(es), Gloo on {cluster.namespaces[i]} {cluster.addrs[i]}"
+        line = f"Machine {i} (node{i}): 1 process, Gloo on {cluster.namespaces[i]} {cluster.addrs[i]}"
         assert line in output.splitlines(), output
     cluster.assert_no_strays()
 
