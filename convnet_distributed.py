@@ -478,7 +478,7 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
-    stop_on_sigterm()
+    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     check_gloo_socket_ifname()
     try:
         if under_torchrun():
@@ -508,10 +508,11 @@ def run_workers(args, data, nprocs):
     """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    context = mp.start_processes(
-        spawned_worker, args=(args, data), nprocs=nprocs, join=False, start_method=start_method()
-    )
     try:
+        with stop_signals_held() as held:
+            context = mp.start_processes(
+                spawned_worker, args=(args, data, held), nprocs=nprocs, join=False, start_method=start_method()
+            )
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
@@ -528,16 +529,17 @@ def run_workers(args, data, nprocs):
             else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
         )
     finally:
-        stop_workers(context.processes)
+        stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
 
 
-def spawned_worker(local_rank, args, data):
-    stop_on_sigterm()
+def spawned_worker(local_rank, args, data, held):
+    mask, ctrl_c = held
+    stop_on_signals(ctrl_c)
     stop_with_launcher()
     try:
+        let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
         worker(local_rank, args, data)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM to its workers: this one is stopping
         sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
     except Terminated:
         sys.exit(143)
@@ -1184,12 +1186,43 @@ class Terminated(BaseException):
     is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
 
 
-def stop_on_sigterm():
-    def terminated(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
-        raise Terminated
+def stop_on_signals(ctrl_c):
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated, wherever the process is, so that the same
+    clean-up runs. The first only: a second (a worker's own Ctrl-C, then its launcher's SIGTERM) is ignored, for
+    it must not cut the clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+    stopping = []
 
-    signal.signal(signal.SIGTERM, terminated)
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Ctrl-C and SIGTERM wait while the workers start, then act. Raised inside fork's own bookkeeping, a stop is
+    printed as a traceback and then lost, and a worker is forked with the launcher's handlers, not its own. So
+    the launcher notes them meanwhile and acts after; each worker starts with them held back by the kernel (the
+    signal mask it inherits) until its own handlers are set. Yields what a worker needs to set them."""
+    noted, stops = [], (signal.SIGINT, signal.SIGTERM)
+    handlers = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in stops}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        yield mask, handlers[signal.SIGINT] is not signal.SIG_IGN
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        let_stop_signals_through(mask)
+        if noted:
+            signal.raise_signal(noted[0])
+
+
+def let_stop_signals_through(mask):
+    if mask is not None:  # None: no signal masks (Windows), where every worker is spawned with its own handlers
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def stop_with_launcher():

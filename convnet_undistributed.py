@@ -314,7 +314,7 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
-    stop_on_sigterm()
+    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     try:
@@ -490,12 +490,19 @@ class Terminated(BaseException):
     is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
 
 
-def stop_on_sigterm():
-    def terminated(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
-        raise Terminated
+def stop_on_signals(ctrl_c):
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated, wherever the process is, so that the same
+    clean-up runs. The first only: a second (a worker's own Ctrl-C, then its launcher's SIGTERM) is ignored, for
+    it must not cut the clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+    stopping = []
 
-    signal.signal(signal.SIGTERM, terminated)
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
 
 
 def exit_at_once():

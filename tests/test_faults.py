@@ -18,7 +18,7 @@ from conftest import REPO, finish, free_port, kill_group, launch, read_json, scr
 pytestmark = pytest.mark.timeout(300)
 
 
-def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=20):
+def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=20, env=None):
     """A launch of the CPU script, 20 batches an epoch per rank, as one machine of a job."""
     return launch(
         "convnet_distributed.py",
@@ -39,6 +39,7 @@ def job(data_dir, *args, processes=2, machines=1, machine=0, port=None, timeout=
         "--log-interval",
         1,
         *args,
+        env=env,
     )
 
 
@@ -252,6 +253,48 @@ def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_
         proc.send_signal(signal.SIGTERM)
     result, seconds = ended(proc, within=60)
     assert_terminated(result, ck, seconds, proc.pid)
+
+
+SIGNAL_AT_FORK = """
+import os, signal
+os.register_at_fork(after_in_{side}=lambda: os.kill(os.getpid(), signal.{name}))
+"""
+
+
+@pytest.mark.parametrize("side", ["child", "parent"])
+@pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
+def test_a_signal_as_the_workers_start_still_stops_the_run_cleanly(data_dir, tmp_path, side, name, status, line):
+    """A stop that comes as the workers are forked (scancel, or a job stopped as it starts) once went astray:
+    raised inside fork's own bookkeeping, it printed a traceback and the run trained on. A sitecustomize module
+    sends it to each forked worker the moment it exists ("child"), or to the launcher after each fork."""
+    (tmp_path / "sitecustomize.py").write_text(SIGNAL_AT_FORK.format(side=side, name=name))
+    proc = job(data_dir, "--epochs", 50, env=script_env(PYTHONPATH=str(tmp_path)))
+    result, seconds = ended(proc, within=60)
+    assert result.returncode == status, result.stderr
+    assert result.stderr.startswith(line) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert seconds < 30 and left_running(proc.pid) == []
+
+
+SPAWN = """
+import torch.multiprocessing as mp
+_start_processes = mp.start_processes
+mp.start_processes = lambda *args, **kwargs: _start_processes(*args, **{**kwargs, "start_method": "spawn"})
+"""
+
+
+def test_ctrl_c_as_spawned_workers_import_torch_stops_the_run_cleanly(data_dir, tmp_path):
+    """macOS, Windows and the GPU script spawn their workers, which spend a second or more importing torch before
+    their handlers are set: a Ctrl-C then once printed a traceback from each. A sitecustomize module makes this
+    launch spawn as they do."""
+    (tmp_path / "sitecustomize.py").write_text(SPAWN)
+    proc = job(data_dir, "--epochs", 50, env=script_env(PYTHONPATH=str(tmp_path)))
+    while len(workers(proc)) < 2:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    result, seconds = ended(proc, within=60)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.startswith("Interrupted") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert seconds < 30 and left_running(proc.pid) == []
 
 
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):

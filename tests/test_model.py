@@ -37,7 +37,7 @@ SAME_IN_ALL = [
     "getenv",
     "plural",
     "Terminated",
-    "stop_on_sigterm",
+    "stop_on_signals",
 ]
 SAME_IN_DISTRIBUTED = [
     "train_epoch",
@@ -56,6 +56,8 @@ SAME_IN_DISTRIBUTED = [
     "layout_line",
     "share_data",
     "shared_memory_plan",
+    "stop_signals_held",
+    "let_stop_signals_through",
     "stop_with_launcher",
     "stop_workers",
     "parse_args",
