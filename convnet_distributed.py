@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from datetime import timedelta
+from multiprocessing import resource_tracker
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
 # c10d and Gloo log each failure in C++, stack traces included; the scripts report each in one line instead.
@@ -509,6 +510,8 @@ def run_workers(args, data, nprocs):
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
+        if start_method() == "spawn" and os.name == "posix":
+            resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
         with stop_signals_held() as held:
             context = mp.start_processes(
                 spawned_worker, args=(args, data, held), nprocs=nprocs, join=False, start_method=start_method()
