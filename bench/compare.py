@@ -28,12 +28,10 @@ unpacking or for a cold page cache on behalf of the others.
 """
 
 import argparse
-import datetime
 import gzip
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -44,15 +42,12 @@ import tempfile
 import threading
 import time
 
-from common import free_port, positive_int, script_env, write_json
+from common import free_port, machine_facts, package_version, positive_int, script_env, write_json
 from runner import busy_cpu_seconds, own_cpu_seconds
 from scaling import (
     CONFIDENCE,
     Target,
-    cpu_model,
-    git_commit,
     median_interval,
-    package_version,
     quietness,
 )
 
@@ -383,22 +378,6 @@ def checks(records, peers):
 # --- the report ---------------------------------------------------------------------------------
 
 
-def machine_facts(args):
-    return {
-        "cpu": cpu_model(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "logical_cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": package_version("torch"),
-        "torchvision": package_version("torchvision"),
-        "lightning": package_version("lightning"),
-        "commit": git_commit(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "dataset": args.dataset,
-        "train_size": train_size(args),
-    }
-
-
 def cell(values, spec=".2f"):
     """The median, and its interval where there are enough repeats for one."""
     median, interval = statistics.median(values), median_interval(values)
@@ -530,7 +509,7 @@ def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     prepare(args)
-    facts = machine_facts(args)
+    facts = machine_facts(args.dataset, lightning=package_version("lightning"), train_size=train_size(args))
     records = measure(args, facts)
     path = os.path.join(args.out, "compare.md")
     write_markdown(path, args, facts, records)

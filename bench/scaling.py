@@ -37,19 +37,15 @@ CPU: the CUDA libraries' destructors page in their own code.
 """
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
-from common import free_port, positive_int, script_env, write_json
+from common import free_port, machine_facts, positive_int, script_env, write_json
 from runner import run_monitored
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -395,58 +391,6 @@ def targets(records):
 # --- reporting ----------------------------------------------------------------------------------
 
 
-def machine_facts(args):
-    return {
-        "cpu": cpu_model(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "logical_cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": package_version("torch"),
-        "torchvision": package_version("torchvision"),
-        "commit": git_commit(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "dataset": args.dataset,
-        "import_rss_mib": import_rss_mib(),
-    }
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def package_version(name):
-    # From the installed metadata: importing torch here would add its memory and threads to the benchmark.
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def git_commit():
-    """The commit the scripts were measured at, marked where the working tree differs from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + (" (modified)" if dirty else "")) or "unknown"
-
-
 def fmt(value, spec):
     return "–" if value is None else format(value, spec)
 
@@ -730,7 +674,7 @@ def main(argv=None):
                 os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
             )
     else:
-        facts = machine_facts(args)
+        facts = machine_facts(args.dataset, import_rss_mib=import_rss_mib())
         records = measure(args, facts)
     summaries = summarise(records)
     rows = scaling_rows(args, summaries)
