@@ -287,8 +287,8 @@ if "spawn_main" in " ".join(sys.orig_argv):  # a spawned worker, as its interpre
 @pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
 def test_a_signal_as_spawned_workers_start_stops_the_run_cleanly(data_dir, tmp_path, name, status, line):
     """macOS, Windows and the GPU script spawn their workers, which take a second or more to start their
-    interpreter and import torch before their handlers are set: a Ctrl-C then once printed a traceback from each,
-    and the run trained on. Here a sitecustomize module spawns them, as on macOS, and each signals itself as its
+    interpreter and import torch before their handlers are set: a Ctrl-C then once ended each in a "Fatal Python
+    error" and its traceback. Here a sitecustomize module spawns them, as on macOS, and each signals itself as its
     interpreter starts."""
     (tmp_path / "sitecustomize.py").write_text(SPAWNED.format(name=name))
     proc = job(data_dir, "--epochs", 50, env=script_env(PYTHONPATH=str(tmp_path)))
