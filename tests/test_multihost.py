@@ -11,6 +11,7 @@ address, as two freshly installed hosts on one network would, and every launch n
 Needs root and iproute2 (`ip netns`) and util-linux (`unshare`); skipped otherwise.
 """
 
+import ipaddress
 import os
 import secrets
 import shutil
@@ -95,7 +96,9 @@ def make_network(ipv6=False):
         prefix, length = f"fd{secrets.token_hex(1)}:{secrets.token_hex(2)}::", 64
     else:  # the benchmarking range 198.18.0.0/15
         prefix, length = f"198.{18 + secrets.randbelow(2)}.{secrets.randbelow(256)}.", 24
-    net = Network(f"{base}a", f"{base}b", f"{base}a", f"{base}b", f"{prefix}1", f"{prefix}2")
+    # In the form the scripts print (fd12:0abc:: is fd12:abc::), which a random group may not have.
+    addr0, addr1 = (str(ipaddress.ip_address(f"{prefix}{n}")) for n in (1, 2))
+    net = Network(f"{base}a", f"{base}b", f"{base}a", f"{base}b", addr0, addr1)
     made = []
     try:
         for ns in (net.ns_a, net.ns_b):
