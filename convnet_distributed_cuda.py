@@ -293,6 +293,7 @@ def worker(local_rank, args, data):
         # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
         model = ConvNet().to(device, memory_format=torch.channels_last)
         keep_pool_gradient_channels_last(model)
+        match_gradient_strides(model)
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         train(model, optimizer, data, rank, world_size, args)
     except RuntimeError as e:
@@ -882,6 +883,20 @@ def release_freed_memory():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing was kept
+
+
+def match_gradient_strides(model):
+    """Hand DDP each gradient in its parameter's exact strides. cuDNN returns conv1's weight gradient
+    (16x1x3x3) with another stride for its size-1 input channel: the same memory, but DDP compares strides,
+    warns ("Grad strides do not match bucket view strides") and copies. Restating the strides is free."""
+    for p in model.parameters():
+        if 1 in p.shape:
+            p.register_hook(lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad)
+
+
+def same_memory(a, b):
+    """Same sizes and strides on every dimension longer than 1: element (i, j, ...) at the same offset in both."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
 def keep_pool_gradient_channels_last(model):

@@ -71,6 +71,22 @@ def test_one_gpu_epoch(data_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     m = read_json(tmp_path / "m.json")
     assert m["device"].startswith("cuda") and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
+    assert "Grad strides do not match" not in result.stderr  # DDP's warning when it must copy a gradient
+
+
+def test_gradients_reach_ddp_in_their_parameters_strides():
+    """cuDNN hands conv1's weight gradient (16x1x3x3) over with the contiguous stride on its size-1 channel
+    dimension, (9, 9, 3, 1), where the channels-last parameter has (9, 1, 3, 1): the hook restates it."""
+    model = cuda_script.ConvNet().to(memory_format=torch.channels_last)
+    cuda_script.match_gradient_strides(model)
+    weight = model.conv1.weight
+    (hook,) = weight._backward_hooks.values()
+    grad = torch.randn(weight.shape)  # as cuDNN gives it
+    assert grad.stride() != weight.stride()
+    restated = hook(grad)
+    assert restated.stride() == weight.stride() and torch.equal(restated, grad)
+    other = torch.randn(3, 3, 16, 1).permute(2, 3, 0, 1)  # the same shape in another memory order: left alone
+    assert hook(other) is other
 
 
 @needs_gpu
