@@ -181,6 +181,7 @@ def train(model, optimizer, data, rank, world_size, args):
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     # DDP broadcasts rank 0's weights: all copies start equal. device_ids names this process's GPU; a CPU has none.
+    match_gradient_strides(model)  # cuDNN's gradient of conv1's weight has other strides: DDP would copy it
     ddp_model = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
     print0(layout_line(world_size, args, "over Gloo" if device.type == "cpu" else "by NCCL"))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
@@ -293,7 +294,6 @@ def worker(local_rank, args, data):
         # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
         model = ConvNet().to(device, memory_format=torch.channels_last)
         keep_pool_gradient_channels_last(model)
-        match_gradient_strides(model)
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         train(model, optimizer, data, rank, world_size, args)
     except RuntimeError as e:
