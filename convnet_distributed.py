@@ -1019,43 +1019,50 @@ def interface_addresses():
     """{interface: its addresses}, as Gloo sees them (getifaddrs(3)): IPv4 first, in the kernel's order (an
     interface's primary address first), each under its label (the interface's name, or an alias such as eth0:1,
     which GLOO_SOCKET_IFNAME takes too); then IPv6, wider scope first. Every address, secondary ones included
-    (a cloud's second IP, a floating one), from one RTM_GETADDR netlink dump. None where they cannot be listed
-    (netlink is Linux's)."""
-    if not sys.platform.startswith("linux"):
+    (a cloud's second IP, a floating one). None where they cannot be listed (netlink is Linux's)."""
+    if not hasattr(socket, "AF_NETLINK"):
         return None
     names = dict(socket.if_nameindex())
     found, ipv6 = {name: [] for name in names.values()}, []
     try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW) as s:  # protocol 0: NETLINK_ROUTE
-            # struct nlmsghdr: RTM_GETADDR (22), NLM_F_REQUEST | NLM_F_DUMP; then struct ifaddrmsg, every family
-            s.sendall(struct.pack("=IHHII", 24, 22, 0x301, 1, 0) + bytes(8))
-            done = False
-            while not done:
-                data, at = s.recv(1 << 16), 0
-                while at + 16 <= len(data) and not done:
-                    length, kind = struct.unpack_from("=IH", data, at)
-                    if kind == 2 and struct.unpack_from("=i", data, at + 16)[0]:  # NLMSG_ERROR
-                        raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "netlink refused RTM_GETADDR")
-                    done = kind in (2, 3)  # NLMSG_DONE: the dump is complete
-                    if kind == 20:  # RTM_NEWADDR: struct ifaddrmsg, then attributes (struct rtattr)
-                        family, _, _, scope, index = struct.unpack_from("=BBBBI", data, at + 16)
-                        attributes, a = {}, at + 24
-                        while a + 4 <= at + length:
-                            size, key = struct.unpack_from("=HH", data, a)
-                            attributes[key] = data[a + 4 : a + size]
-                            a += max(4, (size + 3) & ~3)
-                        raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS
-                        if family == socket.AF_INET and raw:
-                            label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
-                            found.setdefault(label, []).append(socket.inet_ntop(family, raw))
-                        elif family == socket.AF_INET6 and raw and index in names:
-                            ipv6.append((scope, names[index], socket.inet_ntop(family, raw)))
-                    at += max(16, (length + 3) & ~3)
+        rows = list(netlink_addresses())
     except OSError:
         return None
+    for family, scope, index, attributes in rows:
+        raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS (the peer's, on point-to-point)
+        label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
+        if family == socket.AF_INET and raw and label:
+            found.setdefault(label, []).append(socket.inet_ntop(family, raw))
+        elif family == socket.AF_INET6 and raw and index in names:
+            ipv6.append((scope, names[index], socket.inet_ntop(family, raw)))
     for _, name, address in sorted(ipv6, key=lambda row: row[0]):  # universe (0) before link (253), host (254)
         found[name].append(address)
     return found
+
+
+def netlink_addresses():
+    """Every address of every interface, from one RTM_GETADDR dump of the kernel's routing netlink socket (what
+    `ip addr` reads): (family, scope, interface index, {attribute type: bytes}) each."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW) as s:  # protocol 0: NETLINK_ROUTE
+        # struct nlmsghdr: RTM_GETADDR (22), NLM_F_REQUEST | NLM_F_DUMP; then struct ifaddrmsg: every family
+        s.sendall(struct.pack("=IHHII", 24, 22, 0x301, 1, 0) + bytes(8))
+        while True:
+            data, at = s.recv(1 << 16), 0
+            while at + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, at)
+                if kind == 2 and struct.unpack_from("=i", data, at + 16)[0]:  # NLMSG_ERROR
+                    raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "netlink refused RTM_GETADDR")
+                if kind in (2, 3):  # NLMSG_DONE: the dump is complete
+                    return
+                if kind == 20:  # RTM_NEWADDR: struct ifaddrmsg, then attributes (struct rtattr)
+                    family, _, _, scope, index = struct.unpack_from("=BBBBI", data, at + 16)
+                    attributes, a = {}, at + 24
+                    while a + 4 <= at + length:
+                        size, key = struct.unpack_from("=HH", data, a)
+                        attributes[key] = data[a + 4 : a + size]
+                        a += max(4, (size + 3) & ~3)
+                    yield family, scope, index, attributes
+                at += max(16, (length + 3) & ~3)
 
 
 class SharedMemoryAverager:
