@@ -23,6 +23,7 @@ Under torchrun, which starts the processes itself (the script joins its group):
 import argparse
 import contextlib
 import ctypes
+import errno
 import gzip
 import ipaddress
 import json
@@ -888,17 +889,18 @@ def loopback_listener(args):
     on every interface); and on Windows, where a given socket is untested."""
     if args.num_machines > 1 or os.name != "posix":
         return None
-    family, _, _, _, address = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)[0]
-    if not is_loopback(address[0]):
+    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+    if not all(is_loopback(address[0]) for *_, address in found):
         return None
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own: a port in TIME_WAIT is free
-        listener.bind(address)
-    except OSError:
-        listener.close()
-        raise
-    return listener.detach()
+    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
+                listener.bind(address)
+                return listener.detach()
+        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
+                raise
 
 
 def resolve(name, rank, deadline):
