@@ -23,6 +23,7 @@ Under torchrun, which starts the processes itself (the script joins its group):
 import argparse
 import contextlib
 import ctypes
+import errno
 import gzip
 import ipaddress
 import json
@@ -344,7 +345,8 @@ def check_group(world_size, device, args):
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
+        backend = "NCCL" if dist.get_backend() == "nccl" else "Gloo"
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {backend} lost some")
     print0(
         f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
     )
@@ -868,14 +870,37 @@ def open_store(rank, world_size, args, deadline):
             is_master=rank == 0,
             timeout=timedelta(seconds=args.timeout),
             wait_for_workers=False,
+            master_listen_fd=loopback_listener(args) if rank == 0 else None,
         )
-    except dist.DistError as e:
+    except (dist.DistError, OSError) as e:
         if rank == 0:
             sys.exit(
                 f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
                 "the port; choose a free --master-port"
             )
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def loopback_listener(args):
+    """A socket for the rendezvous to serve on, bound to --master-addr:--master-port, where every process is on
+    this machine and --master-addr is loopback: TCPStore would listen on every interface, and the store carries
+    no authentication. Returns its file descriptor, which TCPStore then owns. None otherwise: other machines, or
+    a --master-addr given to expose the job, reach it at an address this machine cannot tell (TCPStore listens
+    on every interface); and on Windows, where a given socket is untested."""
+    if args.num_machines > 1 or os.name != "posix":
+        return None
+    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+    if not all(is_loopback(address[0]) for *_, address in found):
+        return None
+    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
+                listener.bind(address)
+                return listener.detach()
+        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
+                raise
 
 
 def resolve(name, rank, deadline):
@@ -900,7 +925,7 @@ def choose_gloo_interface(store, rank, world_size, args):
     machine cannot tell from its own view which of its addresses the others reach. A connection to the
     rendezvous can: its far end is how the others see the machine serving it, its near end how they see the
     rest. So every process reports both ends; the serving machine takes the address another machine reached
-    it at. A GLOO_SOCKET_IFNAME set by the user wins."""
+    it at. A job on one machine keeps Gloo on loopback. A GLOO_SOCKET_IFNAME set by the user wins."""
     per_machine = placement(args, 0)[2]
     spans_machines = world_size > per_machine
     addresses = interface_addresses()  # None: this system cannot list them
@@ -916,13 +941,21 @@ def choose_gloo_interface(store, rank, world_size, args):
             other = per_machine if args.machine_id == 0 else 0
             other_near, other_far = store.get(f"ends/{other}").decode().split()
             address = near if is_loopback(other_near) else other_far  # both on one host: loopback is right
-        name = next((n for n, held in addresses.items() if address in held), None)
-        if name is None:
+        # Gloo listens on its interface's first address: an alias label whose first address this is, if any.
+        holders = sorted(
+            (n for n, held in addresses.items() if address in held), key=lambda n: address != addresses[n][0]
+        )
+        if not holders:
             sys.exit(
                 f"error: rank {rank}: the other machines reach this one at {address}, which no interface here "
                 "holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"
             )
+        name, address = holders[0], addresses[holders[0]][0]
         os.environ["GLOO_SOCKET_IFNAME"] = name  # read by Gloo when the process group is made
+    elif not spans_machines and (name := loopback_interface(addresses)):
+        # Every process is on this machine: Gloo, unauthenticated, listens where no other machine can reach it.
+        address = (addresses or {}).get(name, ["127.0.0.1"])[0]
+        os.environ["GLOO_SOCKET_IFNAME"] = name
     else:  # Gloo's own choice: the address this host's name resolves to, else loopback
         address = hostname_address()
         name = next((n for n, held in (addresses or {}).items() if address in held), "the host name's interface")
@@ -957,6 +990,14 @@ def check_gloo_socket_ifname():
             )
 
 
+def loopback_interface(addresses):
+    """The name of the loopback interface: found among the interfaces on Linux, macOS's lo0; None elsewhere
+    (Windows: Gloo keeps its own choice)."""
+    if addresses is not None:
+        return next((n for n, held in addresses.items() if held and is_loopback(held[0])), None)
+    return "lo0" if sys.platform == "darwin" else None
+
+
 def connection_ends(host_name, port):
     """(near, far): the addresses of this machine and of host_name on a TCP connection between them."""
     with socket.create_connection((host_name, port), timeout=5) as s:
@@ -977,30 +1018,53 @@ def hostname_address():
 
 
 def interface_addresses():
-    """{interface: its addresses, in the order Gloo takes them: IPv4, then IPv6 of wider scope first}; None where
-    they cannot be listed (SIOCGIFADDR is Linux's; fcntl is Unix-only, hence imported here)."""
-    try:
-        import fcntl
-    except ImportError:
+    """{interface: its addresses}, as Gloo sees them (getifaddrs(3)): IPv4 first, in the kernel's order (an
+    interface's primary address first), each under its label (the interface's name, or an alias such as eth0:1,
+    which GLOO_SOCKET_IFNAME takes too); then IPv6, wider scope first. Every address, secondary ones included
+    (a cloud's second IP, a floating one). None where they cannot be listed (netlink is Linux's)."""
+    if not hasattr(socket, "AF_NETLINK"):
         return None
-    if not sys.platform.startswith("linux"):
-        return None
-    found = {name: [] for _, name in socket.if_nameindex()}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for name in found:
-            try:  # SIOCGIFADDR: the interface's IPv4 address, in a struct ifreq
-                ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                found[name].append(socket.inet_ntoa(ifreq[20:24]))
-            except OSError:
-                pass
+    names = dict(socket.if_nameindex())
+    found, ipv6 = {name: [] for name in names.values()}, []
     try:
-        with open("/proc/net/if_inet6") as f:  # address, index, prefix length, scope, flags, name
-            rows = sorted((line.split() for line in f), key=lambda row: row[3])  # global scope (00) first
+        rows = list(netlink_addresses())
     except OSError:
-        rows = []  # no IPv6
-    for hex_address, *_, name in rows:
-        found.setdefault(name, []).append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(hex_address)))
+        return None
+    for family, scope, index, attributes in rows:
+        raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS (the peer's, on point-to-point)
+        label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
+        if family == socket.AF_INET and raw and label:
+            found.setdefault(label, []).append(socket.inet_ntop(family, raw))
+        elif family == socket.AF_INET6 and raw and index in names:
+            ipv6.append((scope, names[index], socket.inet_ntop(family, raw)))
+    for _, name, address in sorted(ipv6, key=lambda row: row[0]):  # universe (0) before link (253), host (254)
+        found[name].append(address)
     return found
+
+
+def netlink_addresses():
+    """Every address of every interface, from one RTM_GETADDR dump of the kernel's routing netlink socket (what
+    `ip addr` reads): (family, scope, interface index, {attribute type: bytes}) each."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW) as s:  # protocol 0: NETLINK_ROUTE
+        # struct nlmsghdr: RTM_GETADDR (22), NLM_F_REQUEST | NLM_F_DUMP; then struct ifaddrmsg: every family
+        s.sendall(struct.pack("=IHHII", 24, 22, 0x301, 1, 0) + bytes(8))
+        while True:
+            data, at = s.recv(1 << 16), 0
+            while at + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, at)
+                if kind == 2 and struct.unpack_from("=i", data, at + 16)[0]:  # NLMSG_ERROR
+                    raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "netlink refused RTM_GETADDR")
+                if kind in (2, 3):  # NLMSG_DONE: the dump is complete
+                    return
+                if kind == 20:  # RTM_NEWADDR: struct ifaddrmsg, then attributes (struct rtattr)
+                    family, _, _, scope, index = struct.unpack_from("=BBBBI", data, at + 16)
+                    attributes, a = {}, at + 24
+                    while a + 4 <= at + length:
+                        size, key = struct.unpack_from("=HH", data, a)
+                        attributes[key] = data[a + 4 : a + size]
+                        a += max(4, (size + 3) & ~3)
+                    yield family, scope, index, attributes
+                at += max(16, (length + 3) & ~3)
 
 
 class SharedMemoryAverager:

@@ -22,7 +22,9 @@ Under torchrun, which starts the processes itself (the script joins its group):
 import argparse
 import contextlib
 import ctypes
+import errno
 import gzip
+import ipaddress
 import json
 import logging
 import os
@@ -263,6 +265,7 @@ def evaluate(model, images, labels, rank, world_size, args):
 def join_group(rank, world_size, args):
     """Join the job's process group over NCCL: every process of every machine meets at machine 0."""
     store = rendezvous(rank, world_size, args)
+    keep_nccl_on_loopback(world_size, args)
     try:
         dist.init_process_group(
             "nccl", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout)
@@ -313,7 +316,8 @@ def check_group(world_size, device, args):
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: Gloo lost some")
+        backend = "NCCL" if dist.get_backend() == "nccl" else "Gloo"
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {backend} lost some")
     print0(
         f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
     )
@@ -838,14 +842,50 @@ def open_store(rank, world_size, args, deadline):
             is_master=rank == 0,
             timeout=timedelta(seconds=args.timeout),
             wait_for_workers=False,
+            master_listen_fd=loopback_listener(args) if rank == 0 else None,
         )
-    except dist.DistError as e:
+    except (dist.DistError, OSError) as e:
         if rank == 0:
             sys.exit(
                 f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
                 "the port; choose a free --master-port"
             )
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def loopback_listener(args):
+    """A socket for the rendezvous to serve on, bound to --master-addr:--master-port, where every process is on
+    this machine and --master-addr is loopback: TCPStore would listen on every interface, and the store carries
+    no authentication. Returns its file descriptor, which TCPStore then owns. None otherwise: other machines, or
+    a --master-addr given to expose the job, reach it at an address this machine cannot tell (TCPStore listens
+    on every interface); and on Windows, where a given socket is untested."""
+    if args.num_machines > 1 or os.name != "posix":
+        return None
+    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+    if not all(is_loopback(address[0]) for *_, address in found):
+        return None
+    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
+                listener.bind(address)
+                return listener.detach()
+        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
+                raise
+
+
+def is_loopback(address):
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def keep_nccl_on_loopback(world_size, args):
+    """A job on one machine: NCCL's bootstrap, unauthenticated, listens on loopback, not on the first interface
+    NCCL finds (its GPUs talk over NVLink, PCIe or shared memory, not sockets). NCCL_SOCKET_IFNAME set by the
+    user wins."""
+    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
 
 
 def resolve(name, rank, deadline):

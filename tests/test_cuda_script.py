@@ -1,6 +1,8 @@
 """The GPU script's training, run here on the CPU through its own functions (Gloo for NCCL, CPU for CUDA),
 and its GPU runs, which only a machine with a GPU can do."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,6 +53,45 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
     assert m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
     state = torch.load(tmp_path / "ck.pt", weights_only=True)
     assert set(state["model"]) == set(cuda_script.ConvNet().state_dict())  # loads in the CPU scripts too
+
+
+def test_a_failed_check_names_nccl_which_the_script_uses(clean_env, monkeypatch):
+    """--check's error, when the sum comes out short, names the GPU script's backend: it said Gloo."""
+    args = cuda_script.parse_args(["--num-gpu-processes", "1"])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor: None)  # one process's 1: the other's never came
+    with pytest.raises(SystemExit) as exited:
+        cuda_script.check_group(2, torch.device("cpu"), args)
+    assert str(exited.value) == "error: the check summed 1 over 2 processes: NCCL lost some"
+
+
+def nccl_interface_at_init(monkeypatch, args, world_size):
+    """NCCL_SOCKET_IFNAME as the GPU script's join_group leaves it for NCCL, which reads it in init_process_group."""
+    seen = []
+
+    def init_process_group(backend, **kwargs):
+        seen.append(os.environ.get("NCCL_SOCKET_IFNAME"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(SystemExit):  # the join fails as NCCL's would, in one line
+        cuda_script.join_group(0, world_size, args)
+    return seen[0]
+
+
+def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
+    """NCCL's bootstrap listens, unauthenticated, on the first interface it finds: on loopback for a job on one
+    machine; a NCCL_SOCKET_IFNAME given by the user stays."""
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    args = cuda_script.parse_args(["--num-gpu-processes", "1", "--master-port", str(free_port())])
+    assert nccl_interface_at_init(monkeypatch, args, 1) == "=lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
+    args = cuda_script.parse_args(["--num-gpu-processes", "1", "--master-port", str(free_port())])
+    assert nccl_interface_at_init(monkeypatch, args, 1) == "eth1"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    two_machines = cuda_script.parse_args(["--num-machines", "2", "--num-gpu-processes", "1"])
+    cuda_script.keep_nccl_on_loopback(2, two_machines)
+    assert "NCCL_SOCKET_IFNAME" not in os.environ  # NCCL's own choice, between machines
 
 
 @needs_gpu

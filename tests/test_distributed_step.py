@@ -146,3 +146,52 @@ def test_shared_memory_exchange_gives_up_on_a_silent_peer_after_the_timeout(tmp_
     result = torch.load(tmp_path / "rank0.pt")
     assert result["outcome"] == "no gradients from rank(s) [1]"
     assert 1.0 <= result["seconds"] < 10
+
+
+def free_running_steps(rank, world_size, port, out, steps):
+    """The script's own DDP set-up and train_epoch for `steps` steps, dropout on (its masks differ between ranks,
+    so do the ranks' own gradients), with no synchronisation between the steps but the averaging's own. Each
+    rank saves its parameters as they are after every step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    images, labels, _, _ = tensors()
+    args = convnet_distributed.parse_args(["--batch-size", "16", "--log-interval", "1000"])
+    torch.manual_seed(0)
+    model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)
+    convnet_distributed.keep_pool_gradient_channels_last(model)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    history = []
+    optimizer.register_step_post_hook(lambda *_: history.append([p.detach().clone() for p in model.parameters()]))
+    sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    batches = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:steps]
+    if rank == world_size - 1:  # held back after every rank has arrived, as a busy core holds a process: the
+        # others read the average and run on into the next step first
+        wait_for_all = convnet_distributed.SharedMemoryAverager.wait_for_all
+        convnet_distributed.SharedMemoryAverager.wait_for_all = lambda self: (wait_for_all(self), time.sleep(0.03))
+    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+    torch.manual_seed(rank)
+    convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches, 0, args)
+    torch.save({"allreduce": allreduce, "history": history}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the script averages in shared memory on x86-64"
+)
+def test_shared_memory_average_keeps_every_copy_bit_for_bit_equal_step_after_step(tmp_path):
+    """4 ranks on 2 cores, 24 steps running free: a rank that finishes a step starts the next while others still
+    read the last gradients, so the averager's two areas are used in turn, and a slow rank is overtaken. After
+    every step every rank holds the same parameters, to the bit: a copy that drifted would stay apart."""
+    world_size, steps = 4, 24
+    spawn_bounded(free_running_steps, (world_size, free_port(), str(tmp_path), steps), nprocs=world_size)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    assert {r["allreduce"] for r in ranks} == {"shared-memory"}
+    assert all(len(r["history"]) == steps for r in ranks)
+    for step in range(steps):
+        first = ranks[0]["history"][step]
+        for rank, other in enumerate(r["history"][step] for r in ranks):
+            differ = [i for i, (a, b) in enumerate(zip(first, other)) if not torch.equal(a, b)]
+            assert not differ, f"after step {step}, rank {rank}'s parameters {differ} differ from rank 0's"
+        if step:  # the steps did move the model
+            assert not torch.equal(first[-2], ranks[0]["history"][step - 1][-2])

@@ -65,6 +65,8 @@ SAME_IN_DISTRIBUTED = [
     "default_threads",
     "rendezvous",
     "open_store",
+    "loopback_listener",
+    "is_loopback",
     "resolve",
     "check_group",
     "host",

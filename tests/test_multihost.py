@@ -439,3 +439,58 @@ def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir,
     assert "Gloo cannot connect the processes" in results[1].stderr, describe(results)
     assert "GLOO_SOCKET_IFNAME" in results[1].stderr  # what to do
     assert_namespaces_empty(network)
+
+
+def listening_addresses(ns):
+    """The local address:port of every listening TCP socket in namespace ns."""
+    result = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tlnH"], capture_output=True, text=True, timeout=30)
+    return {line.split()[3] for line in result.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.timeout(RUN_SECONDS + 60)
+def test_a_job_on_one_machine_listens_on_loopback_only(network, data_dir, tmp_path):
+    """2 processes on one machine whose name resolves to its network address, as on most hosts but Debian's: the
+    rendezvous and Gloo, which carry no authentication, listen on loopback only, never where another machine of
+    the network reaches them. Before, the rendezvous listened on every interface and Gloo on the name's address."""
+    with open(f"/etc/netns/{network.ns_a}/hosts", "w") as f:
+        f.write(f"127.0.0.1 localhost\n{network.addr_a} node0\n")
+    port = random_port()
+    argv = [sys.executable, SCRIPT, "--num-processes", 2, "--master-port", port, *common_args(data_dir)]
+    machine = Machine("machine0", network.ns_a, argv, env_without_interface(), tmp_path, "node0")
+    seen = set()
+    while machine.proc.poll() is None and time.monotonic() - machine.start < RUN_SECONDS:
+        seen |= listening_addresses(network.ns_a)  # every socket the job listens on, the whole run long
+        time.sleep(0.05)
+    result = finish_all([machine], 10)[0]
+    assert result.returncode == 0 and "Finished training in" in result.stdout, describe([result])
+    assert f"127.0.0.1:{port}" in seen, seen  # the rendezvous
+    assert len(seen) >= 3, seen  # and Gloo, a port for each of the 2 processes
+    assert all(address.startswith("127.0.0.1:") for address in seen), seen
+    assert_namespaces_empty(network)
+
+
+@pytest.mark.timeout(CHECK_SECONDS + 60)
+@pytest.mark.parametrize("label", [None, "1"])
+def test_machine_0_reached_at_its_secondary_address(network, data_dir, tmp_path, label):
+    """Machine 1 reaches machine 0 at a second address of its interface (a cloud's second IP, a keepalived
+    floating address), added plainly or under an alias label (ip addr add ... label eth0:1). Each address of an
+    interface was not listed, only the first, and machine 0 stopped with a false "a NAT between them?". Gloo
+    listens on the first address of the interface, or on the alias's, which GLOO_SOCKET_IFNAME takes too."""
+    secondary = str(ipaddress.ip_address(network.addr_a) + 100)
+    alias = f"{network.if_a}:{label}" if label else None
+    ip("-n", network.ns_a, "addr", "add", f"{secondary}/24", "dev", network.if_a, *(["label", alias] if alias else []))
+    machines = script_machines(
+        network,
+        random_port(),
+        data_dir,
+        tmp_path,
+        env_without_interface(),
+        master_addr=["node0", secondary],
+        extra=["--check"],
+    )
+    results = finish_all(machines, CHECK_SECONDS)
+    assert [r.returncode for r in results] == [0, 0], describe(results)
+    machine0 = f"Machine 0 (node0): 2 processes, Gloo on {alias} {secondary}" if alias else machine_lines(network)[0]
+    lines = results[0].stdout.splitlines()
+    assert lines == [machine0, machine_lines(network)[1], "Check passed: 4 processes on 2 machines reached each other"]
+    assert_namespaces_empty(network)

@@ -1,6 +1,7 @@
-"""What Linux alone has, taken away: os.sched_getaffinity (Linux-only), fcntl (Unix-only; Windows has none), and
-/dev/shm (macOS and Windows have none). A sitecustomize module removes them in every Python process of the run,
-the spawned workers too; the scripts' real code then trains. macOS and Windows themselves are not run here."""
+"""What Linux alone has, taken away: os.sched_getaffinity and netlink sockets (Linux-only), fcntl (Unix-only;
+Windows has none), and /dev/shm (macOS and Windows have none). A sitecustomize module removes them in every Python
+process of the run, the spawned workers too; the scripts' real code then trains. macOS and Windows themselves are
+not run here."""
 
 import os
 
@@ -12,6 +13,8 @@ SIMULATION = """
 import os, sys
 del os.sched_getaffinity  # Linux-only
 sys.modules["fcntl"] = None  # Unix-only: an import of it fails, as on Windows
+import socket
+del socket.AF_NETLINK  # Linux-only: the network interfaces cannot be listed
 _statvfs, _isdir = os.statvfs, os.path.isdir
 
 
