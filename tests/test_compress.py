@@ -1,7 +1,11 @@
 """--compress: torch's DDP hooks that compress the gradients sent over the network (bf16, PowerSGD), checked
 in-process on the first steps, through a checkpoint and resume, and on the command line."""
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import convnet_distributed
 import convnet_distributed_cuda
-from conftest import free_port, spawn_bounded, tensors
+from conftest import REPO, free_port, script_env, spawn_bounded, tensors
 
 STEPS = 3  # PowerSGD averages plainly for 2 steps (POWERSGD_PLAIN_STEPS), then compresses
 RESUME_AT, RESUME_STEPS = 6, 4  # the resume check: steps before the checkpoint, and after it
@@ -155,3 +159,74 @@ def test_a_bad_compress_value_is_one_line(clean_env, capsys, script):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --compress: invalid choice: 'zip'" in err, err
+
+
+# --- across two hosts (network namespaces, tests/test_multihost.py), the link shaped by tc ----------------------
+
+from test_multihost import finish_all, make_network, random_port, script_machines  # noqa: E402
+
+BENCH = os.path.join(REPO, "bench", "network.py")
+
+
+@pytest.fixture
+def slow_network():
+    """The two hosts of tests/test_multihost.py, joined at 10 Mbit/s in each direction."""
+    if not shutil.which("tc"):
+        pytest.skip("needs tc (iproute2) to shape the link")
+    for net in make_network():
+        for ns, interface in ((net.ns_a, net.if_a), (net.ns_b, net.if_b)):
+            shape = ["tc", "-n", ns, "qdisc", "add", "dev", interface, "root", "tbf", "rate", "10mbit"]
+            subprocess.run([*shape, "burst", "70000", "latency", "100ms"], check=True, timeout=30)
+        yield net
+
+
+@pytest.mark.timeout(180)
+def test_check_on_a_slow_link_names_the_flag(slow_network, data_dir, tmp_path):
+    """--check times an average of the gradients' real size (1.2 MB: about 1 s at 10 Mbit/s) against a step of
+    computing, and names --compress powersgd, since the network would dominate."""
+    machines = script_machines(slow_network, random_port(), data_dir, tmp_path, script_env(), extra=["--check"])
+    results = finish_all(machines, 120)
+    assert [r.returncode for r in results] == [0, 0], results
+    last = results[0].stdout.splitlines()[-1]
+    assert last.startswith("Network: averaging the gradients (1.2 MB) takes ~"), results[0].stdout
+    assert last.endswith("step: consider --compress powersgd"), last
+    network_ms = int(last.split("takes ~")[1].split(" ms")[0])
+    assert 700 < network_ms < 10_000  # 1.2 MB each way at 10 Mbit/s: about 1 s
+
+
+@pytest.mark.timeout(300)
+def test_network_benchmark_runs_the_reference_and_each_choice_interleaved(data_dir, tmp_path):
+    """bench/network.py, small: the one-host reference and 2 hosts at 100 Mbit/s with and without PowerSGD, one
+    repeat, on the generated data; it writes its table, plot and runs, and leaves no namespace behind."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        pytest.skip("needs root, ip and tc to make the two hosts")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = tmp_path / "results"
+    cmd = [sys.executable, BENCH, "--dataset", "mnist", "--data-dir", data_dir, "--links", "100"]
+    cmd += ["--compress", "none,powersgd", "--repeats", "1", "--accuracy-epochs", "0", "--out-dir", out]
+    done = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=script_env(), timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = (out / "network.md").read_text()
+    for row in ("| one host, Gloo | none |", "| 100 Mbit/s | none |", "| 100 Mbit/s | powersgd |"):
+        assert row in table, table
+    assert "| 100 Mbit/s, --compress powersgd: throughput ≥ 0.80 of one host |" in table
+    assert "--compress powersgd: test accuracy after 1 epoch(s) within 0.5 points of none's" in table
+    assert (out / "network.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = json.loads((out / "runs.json").read_text())["runs"]
+    assert [(r["link_mbit"], r["compress"]) for r in runs] == [(None, "none"), (100, "none"), (100, "powersgd")]
+    for r in runs:
+        m = r["metrics"]
+        assert m["world_size"] == 2 and m["allreduce"] == "gloo" and m["compress"] == r["compress"]
+        assert m["test_accuracy"] > 0.8 and m["train_seconds"] > 0
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_network_benchmark_without_root_says_so_in_one_line(monkeypatch, tmp_path):
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import network
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as stop:
+        network.main(["--out-dir", str(tmp_path / "out")])
+    assert str(stop.value).startswith("bench/network.py needs root") and "\n" not in str(stop.value)
+    assert not (tmp_path / "out").exists()  # nothing made
