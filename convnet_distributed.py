@@ -34,6 +34,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -52,6 +53,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -187,9 +189,9 @@ def train(model, optimizer, data, rank, world_size, args):
     """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then the metrics."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    start_epoch = resume(model, optimizer, args) if args.resume else 0
-    ddp_model, allreduce = data_parallel(model, rank, world_size, args)
-    print0(layout_line(world_size, args, "in shared memory" if allreduce == "shared-memory" else "over Gloo"))
+    ddp_model, allreduce, compression = data_parallel(model, rank, world_size, args)
+    start_epoch = resume(model, optimizer, args, compression) if args.resume else 0
+    print0(layout_line(world_size, args, averaging_words(allreduce, args)))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
@@ -208,7 +210,7 @@ def train(model, optimizer, data, rank, world_size, args):
         loss = train_loss.item() / world_size
         history.append({"epoch": epoch, "train_loss": loss, "test_loss": test_loss, "test_accuracy": test_accuracy})
         if args.checkpoint:
-            save_checkpoint(model, optimizer, epoch, args)
+            save_checkpoint(model, optimizer, epoch, args, compression)
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
@@ -218,6 +220,7 @@ def train(model, optimizer, data, rank, world_size, args):
         "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
         "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
         "threads": torch.get_num_threads(), "amp": args.amp, "allreduce": allreduce,
+        "compress": args.compress if allreduce == "gloo" else "none",
         "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
         "samples_per_second": len(history) * len(train_labels) / train_seconds if train_seconds else None,
         "final_train_loss": history[-1]["train_loss"] if history else None,
@@ -283,20 +286,22 @@ def join_group(rank, world_size, args):
 
 
 def data_parallel(model, rank, world_size, args):
-    """DDP around model; returns it and how it averages the gradients: "shared-memory" when every process is
-    on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo"."""
+    """DDP around model; returns it, how it averages the gradients ("shared-memory" when every process is
+    on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo") and the state of PowerSGD's
+    hook for the checkpoint (None without --compress powersgd). --compress acts over Gloo only."""
     shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
-    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on.
-    ddp_model = DistributedDataParallel(
-        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if shared_memory else None
-    )
+    # other ranks once, not twice; over Gloo the first, small bucket (fc2 and fc1) travels while the
+    # convolutions' backward goes on. PowerSGD needs one bucket too (see compress_gradients).
+    one_bucket = shared_memory or args.compress == "powersgd"
+    ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25 if one_bucket else None)
     if shared_memory:
         averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
-    return ddp_model, "shared-memory" if shared_memory else "gloo"
+        return ddp_model, "shared-memory", None
+    return ddp_model, "gloo", compress_gradients(ddp_model, args.compress)
 
 
 def averages_in_shared_memory(args, world_size):
@@ -350,6 +355,8 @@ def check_group(world_size, device, args):
     print0(
         f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
     )
+    if world_size > placement(args, 0)[2]:  # across machines: what the network will cost each step
+        print0(network_cost(device, args))
 
 
 def select_device(local_rank):
@@ -379,10 +386,12 @@ def print0(message):
 # ---- 6. Checkpoint and metrics ------------------------------------------------------------------------------
 
 
-def save_checkpoint(model, optimizer, epoch, args):
+def save_checkpoint(model, optimizer, epoch, args, compression=None):
     state = {
         "format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        # PowerSGD's error feedback, every rank's (a collective), so that --resume stays exact
+        "compression": compression.state_dict() if compression else None,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }  # fmt: skip
     save0(args.checkpoint, lambda f: torch.save(state, f))
@@ -405,9 +414,9 @@ def save0(path, write):
     os.replace(f.name, path)
 
 
-def resume(model, optimizer, args):
-    """Load --checkpoint into model and optimizer; returns the epoch to start from. Rank 0 reads the
-    file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
+def resume(model, optimizer, args, compression=None):
+    """Load --checkpoint into model, optimizer and PowerSGD's state; returns the epoch to start from. Rank 0
+    reads the file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
     state, error = None, None
     if dist.get_rank() == 0:
         try:
@@ -421,6 +430,8 @@ def resume(model, optimizer, args):
         try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
+            if compression:
+                compression.load_state_dict(state.get("compression"), args)
         except (RuntimeError, ValueError, KeyError) as e:
             error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error is not None:
@@ -694,6 +705,13 @@ def build_parser():
         default="auto",
         help="how the gradients are averaged: auto, in shared memory when every process is on this "
         "machine (Linux on x86-64) and over Gloo otherwise; gloo, over Gloo always (default: auto)",
+    )
+    p.add_argument(
+        "--compress",
+        choices=["none", "bf16", "powersgd"],
+        default="none",
+        help="compress the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
+        "approximation, about 1/15 of them, for slow links (100 Mbit/s); not in shared memory (default: none)",
     )
     p.add_argument(
         "--timeout",
@@ -1137,6 +1155,160 @@ class SharedMemoryAverager:
                 late = [r for r, n in enumerate(self.arrived) if n < self.calls]
                 raise dist.DistError(f"no gradients from rank(s) {late}")
             os.sched_yield()
+
+
+def averaging_words(allreduce, args):
+    """How the gradients are averaged, for the layout line."""
+    if allreduce == "shared-memory":
+        return "in shared memory" + (" (--compress acts across machines only)" if args.compress != "none" else "")
+    return "over Gloo" + compression_words(args.compress)
+
+
+# --compress powersgd: the rank of the low-rank approximation, and the plain averages before it starts (DDP
+# reorders its buckets after the first step; torch's hook needs at least 2). Measured in bench/README.md.
+POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+
+
+def compression_words(compress):
+    return {
+        "none": "",
+        "bf16": ", sent as bfloat16",
+        "powersgd": f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps",
+    }[compress]
+
+
+def compress_gradients(ddp_model, compress):
+    """--compress: register torch's hook that compresses each bucket before it travels. Returns PowerSGD's state,
+    which the checkpoint keeps, else None. PowerSGD's hook starts a bucket's later all-reduces (P, then Q) from
+    callbacks of its earlier ones, on Gloo's thread: with two buckets in flight, ranks can issue them in different
+    orders, and Gloo matches collectives by order only ("Received data size doesn't match expected size", then a
+    C++ terminate). So PowerSGD gets the whole model in one bucket (bucket_cap_mb=25 where DDP is made)."""
+    if compress == "bf16":
+        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if compress != "powersgd":
+        return None
+    powersgd = PowerSGD(ddp_model.module)
+    ddp_model.register_comm_hook(powersgd, PowerSGD.hook)
+    return powersgd
+
+
+class PowerSGD:
+    """torch's PowerSGD hook, with a state a checkpoint can hold. The state that matters is each rank's error
+    feedback (what compression left out, added to the next gradient), the warm-started Q factors (equal on every
+    rank) and the step count; P is overwritten before use, and the seed generator serves only where there is no Q
+    yet. torch keeps error and Q as flat tensors in the bucket's order of parameters, and DDP reorders the bucket
+    after the first step of every run, a resumed one too: so they are saved per parameter, and laid out again
+    whenever the order changes. One bucket, index 0 (compress_gradients says why)."""
+
+    def __init__(self, model):
+        self.state = powerSGD_hook.PowerSGDState(
+            None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS
+        )
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.order, self.pending = None, None  # the bucket's parameters at the last step; state to lay out
+
+    def hook(self, bucket):
+        order = [self.names[id(p)] for p in bucket.parameters()]
+        if order != self.order and self.pending is None and self.state.error_dict:
+            self.pending = self.per_parameter()
+        if self.pending is not None:
+            self.lay_out(order, *self.pending, bucket.buffer())
+            self.pending = None
+        self.order = order
+        return powerSGD_hook.powerSGD_hook(self.state, bucket)
+
+    def slices(self, order):
+        """Where each parameter's error and Q lie in torch's flat tensors, for the bucket in this order (torch's
+        rule: the matrices worth compressing, grouped by shape); and the length of P."""
+        error, groups, offset, p_length = {}, {}, 0, 0
+        for name in order:
+            numel = self.shapes[name].numel()
+            error[name] = slice(offset, offset + numel)
+            offset += numel
+            n, m = self.shapes[name][0], numel // self.shapes[name][0]
+            r = min(n, m, self.state.matrix_approximation_rank)
+            if powerSGD_hook._should_compress(n, m, r, self.state.min_compression_rate)[0]:
+                groups.setdefault((n, m), []).append((name, m * r))
+                p_length += n * r
+        q, offset = {}, 0
+        for name, length in (member for members in groups.values() for member in members):
+            q[name] = slice(offset, offset + length)
+            offset += length
+        return error, q, p_length
+
+    def per_parameter(self):
+        """(this rank's error, Q), each {parameter name: tensor} (copies: a view would save the whole tensor);
+        empty before compression starts."""
+        if 0 not in self.state.q_memory_dict:
+            return {}, {}
+        error, q, _ = self.slices(self.order)
+        return (
+            {name: self.state.error_dict[0][at].cpu().clone() for name, at in error.items()},
+            {name: self.state.q_memory_dict[0][at].cpu().clone() for name, at in q.items()},
+        )
+
+    def lay_out(self, order, error, q, buffer):
+        if not q:
+            return
+        _, q_at, p_length = self.slices(order)
+        self.state.error_dict[0] = torch.cat([error[name].reshape(-1) for name in order]).to(buffer)
+        self.state.q_memory_dict[0] = torch.cat([q[name] for name in q_at]).to(buffer)
+        self.state.p_memory_dict[0] = torch.empty(p_length, dtype=buffer.dtype, device=buffer.device)
+
+    def state_dict(self):
+        """The step count, Q, and every rank's error, gathered on rank 0: a collective."""
+        error, q = self.pending or self.per_parameter()
+        errors = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(error, errors, dst=0)
+        return {"iter": self.state.iter, "q": q, "errors": errors}
+
+    def load_state_dict(self, saved, args):
+        """Restore a checkpoint's state; one of another world size, or none, starts PowerSGD afresh."""
+        if not saved or len(saved["errors"]) != dist.get_world_size():
+            if saved:
+                print0(
+                    f"{args.checkpoint} holds PowerSGD's state for {len(saved['errors'])} processes: it starts afresh"
+                )
+            return
+        self.state.iter = saved["iter"]
+        self.pending = (saved["errors"][dist.get_rank()], saved["q"])
+
+
+def network_cost(device, args):
+    """--check across machines: time an average of the gradients' real size, and a step of --batch-size
+    here (the slowest rank's); name --compress powersgd where the network would dominate a step."""
+    model = ConvNet().to(device, memory_format=torch.channels_last)
+    gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    images = torch.randn(args.batch_size, 1, 28, 28, device=device)
+    labels = torch.zeros(args.batch_size, dtype=torch.long, device=device)
+
+    def timed(work, times=4):  # the first time warms up (connections, allocations); the median of the rest
+        seconds = []
+        for _ in range(times):
+            start = time.perf_counter()
+            work()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(images), labels)
+        loss.backward()
+
+    network = timed(lambda: dist.all_reduce(gradients))
+    slowest = torch.tensor([timed(step), network], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    compute, network = (round(1000 * t) for t in slowest.tolist())
+    line = (
+        f"Network: averaging the gradients ({4 * gradients.numel() / 1e6:.1f} MB) takes ~{network} ms, "
+        f"a step of {args.batch_size} images ~{compute} ms of computing"
+    )
+    if network > compute / 2 and args.compress != "powersgd":
+        return f"{line}: the network adds ~{network} ms to each ~{compute} ms step: consider --compress powersgd"
+    return line
 
 
 def keep_freed_memory():

@@ -67,7 +67,7 @@ def one_step(rank, world_size, port, out, allreduce):
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     first = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:1]
     initial = copy.deepcopy(model)
-    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
     own_loss = torch.nn.functional.nll_loss(

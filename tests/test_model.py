@@ -40,6 +40,10 @@ SAME_IN_ALL = [
     "stop_on_signals",
 ]
 SAME_IN_DISTRIBUTED = [
+    "compression_words",
+    "compress_gradients",
+    "PowerSGD",
+    "network_cost",
     "train_epoch",
     "evaluate",
     "worker",

@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""What a network between machines costs convnet_distributed.py, and what --compress buys back.
+
+Two hosts made of network namespaces joined by a veth pair, the link shaped in both directions by tc's token
+bucket filter (tbf) to each speed of --links; one process on each host. The reference is the same 2 processes
+on one host, averaging over Gloo (--allreduce gloo). Every process gets the same threads (the cores shared out
+between the 2), the same batch (--batch-size per process) and the same data.
+
+Each configuration runs --repeats times, interleaved (every configuration once, then every one again), in
+reverse order every other repeat; a throughput ratio is taken within each repeat, against that repeat's
+reference, and the median of the ratios is judged. Beside it stands the range over the repeats: for the
+median, an interval of 1 - 2 / 2**repeats coverage (75% for 3 repeats, 94% for 5). Then, apart, one run of
+--accuracy-epochs epochs per --compress choice on one host over Gloo (the same arithmetic as across two hosts),
+for the accuracy after several epochs.
+
+Writes to --out-dir: network.md (the tables, each target marked), network.png (throughput against link speed,
+one line per --compress choice, the accuracy in the legend; needs matplotlib) and runs.json (every run).
+
+Needs root (ip netns, tc). Run from the repository root, on a quiet machine (about 14 minutes on 2 cores):
+    mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
+    python bench/network.py --dataset fashion-mnist --data-dir data
+"""
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import REPO, free_port, machine_facts, positive_int, script_env, write_json
+from runner import busy_cpu_seconds, own_cpu_seconds
+
+SCRIPT = os.path.join(REPO, "convnet_distributed.py")
+CHOICES = ("none", "bf16", "powersgd")
+
+
+# --- the two hosts --------------------------------------------------------------------------------
+
+
+def ip(*args, check=True):
+    return subprocess.run(["ip", *map(str, args)], capture_output=True, text=True, check=check, timeout=30)
+
+
+class Hosts:
+    """Two network namespaces, a and b, joined by a veth pair: machine 0 at addr[0] in a, machine 1 at addr[1]."""
+
+    def __init__(self):
+        base = f"nb{os.getpid()}{secrets.token_hex(3)}"[:12]  # unique per run; + a/b stays within 15 characters
+        self.ns = (f"{base}a", f"{base}b")
+        prefix = f"198.{18 + secrets.randbelow(2)}.{secrets.randbelow(256)}."  # the benchmarking range
+        self.addr = (f"{prefix}1", f"{prefix}2")
+        self.made = []
+        for ns in self.ns:
+            ip("netns", "add", ns)
+            self.made.append(ns)
+        ip(
+            "link",
+            "add",
+            self.ns[0],
+            "netns",
+            self.ns[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.ns[1],
+            "netns",
+            self.ns[1],
+        )
+        for ns, addr in zip(self.ns, self.addr):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", ns, "up")
+
+    def shape(self, mbit):
+        """Both directions at mbit Mbit/s. The bucket holds a 64 KiB segment (veth sends segments that large)
+        or 1 ms of the rate, whichever is more; packets wait up to 100 ms in the queue."""
+        burst = max(70_000, int(mbit * 1e6 / 8 / 1000))
+        for ns in self.ns:
+            tc = ["tc", "-n", ns, "qdisc", "replace", "dev", ns, "root", "tbf"]
+            subprocess.run(
+                [*tc, "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"], check=True, timeout=30
+            )
+
+    def remove(self):
+        for ns in self.made:
+            for _ in range(20):
+                pids = ip("netns", "pids", ns, check=False).stdout.split()
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.1)
+            ip("netns", "del", ns, check=False)
+
+
+# --- the runs -------------------------------------------------------------------------------------
+
+
+def common_flags(args, threads, compress, epochs):
+    return [
+        *["--dataset", args.dataset, "--data-dir", os.path.abspath(args.data_dir), "--epochs", epochs],
+        *["--batch-size", args.batch_size, "--threads", threads, "--log-interval", 100_000],
+        *["--compress", compress, "--timeout", args.timeout],
+    ]
+
+
+def launch(ns, argv, folder, label):
+    with open(os.path.join(folder, f"{label}.out"), "w") as out, open(os.path.join(folder, f"{label}.err"), "w") as err:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, SCRIPT, *map(str, argv)],
+            stdout=out,
+            stderr=err,
+            env=script_env(),
+            start_new_session=True,
+        )
+
+
+def run(hosts, config, args, threads, repeat, folder):
+    """One run: (link Mbit/s or None for one host, --compress, epochs). Returns its record; a failure stops all."""
+    link, compress, epochs = config
+    metrics = os.path.join(folder, "metrics.json")
+    flags = [*common_flags(args, threads, compress, epochs), "--metrics-json", metrics]
+    if link is None:  # the reference: both processes on host a, over Gloo through its loopback
+        procs = [launch(hosts.ns[0], [*flags, "--num-processes", 2, "--allreduce", "gloo"], folder, "m0")]
+    else:
+        hosts.shape(link)
+        port = free_port()
+        procs = [
+            launch(
+                hosts.ns[i],
+                [*flags, "--num-machines", 2, "--machine-id", i, "--master-addr", hosts.addr[0], "--master-port", port],
+                folder,
+                f"m{i}",
+            )
+            for i in range(2)
+        ]
+    start, deadline = time.monotonic(), time.monotonic() + args.timeout
+    busy, own = busy_cpu_seconds(), own_cpu_seconds()  # what other programs use meanwhile disturbs the timing
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    wall = time.monotonic() - start
+    other = max(0.0, (busy_cpu_seconds() - busy) - (own_cpu_seconds() - own)) / wall
+    if any(proc.returncode != 0 for proc in procs) or not os.path.exists(metrics):
+        with open(os.path.join(folder, "m0.err")) as f:
+            last = (f.read().strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"error: {describe(config)} failed in repeat {repeat} after {wall:.0f} s: {last}")
+    with open(metrics) as f:
+        record = {"link_mbit": link, "compress": compress, "epochs": epochs, "repeat": repeat, "other_cpu": other}
+        record["metrics"] = json.load(f)
+    os.unlink(metrics)
+    return record
+
+
+def describe(config):
+    link, compress, epochs = config
+    where = "one host, Gloo" if link is None else f"{link:g} Mbit/s"
+    return f"{where}, --compress {compress}, {epochs} epoch(s)"
+
+
+def measure(hosts, args, threads):
+    timed = [(None, "none", args.epochs)] + [(link, c, args.epochs) for link in args.links for c in args.compress]
+    records = []
+    with tempfile.TemporaryDirectory() as folder:
+        for repeat in range(args.repeats):
+            for config in timed if repeat % 2 == 0 else timed[::-1]:
+                records.append(run(hosts, config, args, threads, repeat, folder))
+                m = records[-1]["metrics"]
+                print(
+                    f"repeat {repeat}: {describe(config)}: {m['train_seconds']:.2f} s, {100 * m['test_accuracy']:.2f}%"
+                )
+        if args.accuracy_epochs:
+            for compress in ["none", *[c for c in args.compress if c != "none"]]:
+                config = (None, compress, args.accuracy_epochs)
+                records.append(run(hosts, config, args, threads, 0, folder))
+                print(f"accuracy: {describe(config)}: {100 * records[-1]['metrics']['test_accuracy']:.2f}%")
+    return records
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def ratios(records, link, compress, epochs):
+    """Per repeat: the reference's training loop over this configuration's (its throughput against one host)."""
+    by_repeat = {}
+    for r in records:
+        if r["epochs"] == epochs and r["link_mbit"] in (None, link):
+            by_repeat.setdefault(r["repeat"], {})[(r["link_mbit"], r["compress"])] = r["metrics"]["train_seconds"]
+    return [
+        runs[(None, "none")] / runs[(link, compress)]
+        for runs in by_repeat.values()
+        if (None, "none") in runs and (link, compress) in runs
+    ]
+
+
+def accuracy(records, epochs, compress, link=None):
+    found = [
+        r["metrics"]["test_accuracy"]
+        for r in records
+        if r["epochs"] == epochs and r["compress"] == compress and (link is None or r["link_mbit"] == link)
+    ]
+    return statistics.median(found) if found else None
+
+
+def span(values):
+    return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+
+
+def verdict(value, low, spread):
+    """PASS or FAIL by the median; "inside the noise" where the repeats' range reaches across the target."""
+    result = "PASS" if value >= low else "FAIL"
+    if len(spread) < 3:
+        result += ", too few repeats to tell from noise"
+    elif min(spread) < low <= max(spread):
+        result += ", inside the noise"
+    return result
+
+
+def report(records, args, facts):
+    slowest = min(args.links)
+    interval = f", a {100 * (1 - 2 / 2**args.repeats):.0f}% interval for the median" if args.repeats > 1 else ""
+    lines = [
+        "# What the network costs, and what --compress buys back",
+        "",
+        f"{facts['date']}, commit {facts['commit']}; {facts['cpu']}, {facts['usable_cores']} usable cores; "
+        f"Python {facts['python']}, torch {facts['torch']}. {facts['dataset']}, {args.epochs} epoch(s), "
+        f"2 processes of {facts['threads']} thread(s), --batch-size {args.batch_size} each; "
+        f"{args.repeats} interleaved repeat(s). Throughput is the reference's training loop over the run's, within "
+        f"each repeat: median (range over the repeats{interval}).",
+        "",
+        "| link | --compress | training loop (s) | throughput vs one host | test accuracy |",
+        "|---|---|---:|---:|---:|",
+    ]
+    reference = [r["metrics"] for r in records if r["link_mbit"] is None and r["epochs"] == args.epochs]
+    ref_seconds = statistics.median(m["train_seconds"] for m in reference if m["compress"] == "none")
+    ref_accuracy = accuracy(records, args.epochs, "none", None)
+    lines.append(f"| one host, Gloo | none | {ref_seconds:.2f} | 1.00 | {100 * ref_accuracy:.2f}% |")
+    summary = {}
+    for link in sorted(args.links, reverse=True):
+        for compress in args.compress:
+            seconds = [
+                r["metrics"]["train_seconds"]
+                for r in records
+                if (r["link_mbit"], r["compress"], r["epochs"]) == (link, compress, args.epochs)
+            ]
+            spread = ratios(records, link, compress, args.epochs)
+            median = statistics.median(spread)
+            summary[(link, compress)] = (median, spread)
+            acc = accuracy(records, args.epochs, compress, link)
+            lines.append(
+                f"| {link:g} Mbit/s | {compress} | {statistics.median(seconds):.2f} | "
+                f"{median:.2f}{span(spread)} | {100 * acc:.2f}% |"
+            )
+    lines += ["", "| target | measured | result |", "|---|---|---|"]
+    checks = []  # the targets, at the speeds they are set for
+    if (100, "powersgd") in summary:
+        checks.append(
+            ("100 Mbit/s, --compress powersgd: throughput ≥ 0.80 of one host", *summary[(100, "powersgd")], 0.8)
+        )
+    if (1000, "none") in summary:
+        checks.append(("1 Gbit/s, default flags: throughput ≥ 0.97 of one host", *summary[(1000, "none")], 0.97))
+    for name, median, spread, low in checks:
+        lines.append(f"| {name} | {median:.3f}{span(spread)} | {verdict(median, low, spread)} |")
+    for epochs in sorted({args.epochs, args.accuracy_epochs} - {0}):
+        base = accuracy(records, epochs, "none", slowest if epochs == args.epochs else None)
+        for compress in [c for c in args.compress if c != "none"]:
+            acc = accuracy(records, epochs, compress, slowest if epochs == args.epochs else None)
+            if base is None or acc is None:
+                continue
+            points = 100 * (acc - base)
+            result = "PASS" if abs(points) <= 0.5 else "FAIL"
+            lines.append(
+                f"| --compress {compress}: test accuracy after {epochs} epoch(s) within 0.5 points of none's "
+                f"({100 * base:.2f}%) | {points:+.2f} points ({100 * acc:.2f}%) | {result} |"
+            )
+    if args.accuracy_epochs:
+        lines += ["", f"Accuracy after {args.accuracy_epochs} epochs: one run each, on one host over Gloo."]
+    other = [r["other_cpu"] for r in records]
+    lines += [
+        "",
+        f"Other programs kept {statistics.mean(other):.2f} cores busy on average during the runs (at most "
+        f"{max(other):.2f}, of {facts['usable_cores']}): above about 0.1 they slow the computing, not the link, and "
+        "the ratios flatter the network.",
+    ]
+    return "\n".join(lines) + "\n", summary
+
+
+def plot(path, args, records, summary):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    links = sorted(args.links)
+    for compress in args.compress:
+        medians = [summary[(link, compress)][0] for link in links]
+        lows = [m - min(summary[(link, compress)][1]) for link, m in zip(links, medians)]
+        highs = [max(summary[(link, compress)][1]) - m for link, m in zip(links, medians)]
+        acc = accuracy(records, args.epochs, compress, min(links))
+        label = f"--compress {compress} (test accuracy {100 * acc:.2f}%)"
+        ax.errorbar(links, medians, yerr=[lows, highs], marker="o", capsize=4, label=label)
+    ax.axhline(1.0, color="gray", linestyle="--", label="one host, Gloo (the reference)")
+    ax.set_xscale("log")
+    ax.set_xticks(links, [f"{link:g}" for link in links])
+    ax.set_xlabel("link speed (Mbit/s), both directions")
+    ax.set_ylabel("throughput against one host")
+    ax.set_ylim(0, max(1.1, 1.05 * max(m for m, _ in summary.values())))
+    ax.set_title(f"2 processes on 2 hosts, {args.epochs} epoch(s), median of {args.repeats} interleaved repeat(s)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def number_list(text, kind):
+    values = [kind(v) for v in text.split(",") if v]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value")
+    return values
+
+
+def compress_list(text):
+    values = number_list(text, str)
+    for value in values:
+        if value not in CHOICES:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(CHOICES)}")
+    return values
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--dataset", choices=["mnist", "fashion-mnist"], default="fashion-mnist", help="(default: fashion-mnist)"
+    )
+    p.add_argument("--data-dir", default="data", metavar="DIR", help="the scripts' --data-dir (default: data)")
+    p.add_argument("--links", type=lambda t: number_list(t, float), default=[1000, 100], metavar="MBITS",
+                   help="link speeds in Mbit/s, comma-separated (default: 1000,100)")  # fmt: skip
+    p.add_argument("--compress", type=compress_list, default=list(CHOICES), metavar="LIST",
+                   help="--compress choices at each speed (default: none,bf16,powersgd)")  # fmt: skip
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="interleaved repeats (default: 3)")
+    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of each timed run (default: 1)")
+    p.add_argument("--accuracy-epochs", type=int, default=3, metavar="N",
+                   help="epochs of the accuracy runs, one per --compress choice; 0 for none (default: 3)")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="per process (default: 64)")
+    p.add_argument("--timeout", type=positive_int, default=900, metavar="SECONDS", help="per run (default: 900)")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results", "network"), metavar="DIR",
+                   help="where the report goes (default: bench/results/network)")  # fmt: skip
+    args = p.parse_args(argv)
+    if "none" not in args.compress:
+        args.compress.insert(0, "none")  # the accuracy checks compare with it
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit(
+            "bench/network.py needs root, to make network namespaces and shape the link (ip netns, tc): run it as root"
+        )
+    if not (shutil.which("ip") and shutil.which("tc")):
+        sys.exit("bench/network.py needs the ip and tc commands (apt-get install iproute2)")
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    facts = machine_facts(args.dataset, threads=threads, links_mbit=args.links, repeats=args.repeats)
+    os.makedirs(args.out_dir, exist_ok=True)
+    hosts = None
+    try:
+        hosts = Hosts()
+        records = measure(hosts, args, threads)
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"error: cannot set up the two hosts ({' '.join(e.cmd)}: {(e.stderr or '').strip()})")
+    finally:
+        if hosts:
+            hosts.remove()
+    text, summary = report(records, args, facts)
+    with open(os.path.join(args.out_dir, "network.md"), "w") as f:
+        f.write(text)
+    write_json(os.path.join(args.out_dir, "runs.json"), {"facts": facts, "args": vars(args), "runs": records})
+    plot(os.path.join(args.out_dir, "network.png"), args, records, summary)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

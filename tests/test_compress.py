@@ -1,0 +1,232 @@
+"""--compress: torch's DDP hooks that compress the gradients sent over the network (bf16, PowerSGD), checked
+in-process on the first steps, through a checkpoint and resume, and on the command line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
+
+import convnet_distributed
+import convnet_distributed_cuda
+from conftest import REPO, free_port, script_env, spawn_bounded, tensors
+
+STEPS = 3  # PowerSGD averages plainly for 2 steps (POWERSGD_PLAIN_STEPS), then compresses
+RESUME_AT, RESUME_STEPS = 6, 4  # the resume check: steps before the checkpoint, and after it
+
+
+def exercise(rank, world_size, port, out):
+    """In one pair of processes (a spawn costs seconds): STEPS steps with each hook, and a checkpoint taken and
+    resumed with PowerSGD."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {compress: first_steps(rank, world_size, compress) for compress in ("bf16", "powersgd")}
+    results["resume"] = resumed_steps(rank, world_size, os.path.join(out, "ck.pt"))
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def set_up(rank, world_size, compress, *flags, dropout=False):
+    """The script's model, optimizer and DDP over Gloo, with --compress; this rank's batches of epoch 0."""
+    args = convnet_distributed.parse_args(["--batch-size", "64", "--allreduce", "gloo", "--compress", compress, *flags])
+    torch.manual_seed(0)
+    model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)
+    convnet_distributed.keep_pool_gradient_channels_last(model)
+    if not dropout:
+        model.dropout1.p = model.dropout2.p = 0.0
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    labels = tensors()[1]
+    sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    ddp_model, allreduce, powersgd = convnet_distributed.data_parallel(model, rank, world_size, args)
+    batches = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)
+    return args, model, optimizer, ddp_model, allreduce, powersgd, batches
+
+
+def first_steps(rank, world_size, compress):
+    """STEPS steps, dropout off, recording for each this rank's own gradient (no averaging), the averaged one DDP
+    hands the optimizer and, for PowerSGD, the error feedback the hook kept."""
+    images, labels, _, _ = tensors()
+    args, model, optimizer, ddp_model, allreduce, powersgd, batches = set_up(rank, world_size, compress)
+    steps = []
+    for idx in batches[:STEPS]:
+        x, y = convnet_distributed.to_input(images[idx], "mnist"), labels[idx]
+        own = torch.autograd.grad(F.nll_loss(model(x), y), list(model.parameters()))
+        optimizer.zero_grad(set_to_none=True)
+        F.nll_loss(ddp_model(x), y).backward()
+        error = powersgd.per_parameter()[0] if powersgd else {}
+        steps.append({"own": own, "averaged": [p.grad.clone() for p in model.parameters()], "error": error})
+        optimizer.step()
+    return {"steps": steps, "allreduce": allreduce, "order": powersgd.order if powersgd else None}
+
+
+def resumed_steps(rank, world_size, checkpoint):
+    """The script's train_epoch, save_checkpoint and resume, dropout on: RESUME_AT steps, a checkpoint, RESUME_STEPS
+    more; then a fresh model resumed from the checkpoint takes the same RESUME_STEPS. Both runs' weights."""
+    images, labels, _, _ = tensors()
+    flags = ("--checkpoint", checkpoint, "--resume")
+    args, model, optimizer, ddp_model, _, powersgd, batches = set_up(rank, world_size, "powersgd", *flags, dropout=True)
+    convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches[:RESUME_AT], 0, args)
+    convnet_distributed.save_checkpoint(model, optimizer, 0, args, powersgd)
+    later = batches[RESUME_AT : RESUME_AT + RESUME_STEPS]
+    torch.manual_seed(rank)
+    convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
+    unbroken = [p.detach().clone() for p in model.parameters()]
+    args, model, optimizer, ddp_model, _, powersgd, _ = set_up(rank, world_size, "powersgd", *flags, dropout=True)
+    convnet_distributed.resume(model, optimizer, args, powersgd)
+    torch.manual_seed(rank)
+    convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
+    return {"unbroken": unbroken, "resumed": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compress")
+    spawn_bounded(exercise, (2, free_port(), str(out)), nprocs=2, timeout=300)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)], out
+
+
+NAMES = [name for name, _ in convnet_distributed.ConvNet().named_parameters()]
+
+
+def test_bf16_averages_within_bfloat16_rounding_of_float32(ranks):
+    """Tolerance: each element within 1/128 of its tensor's largest own gradient (bfloat16 keeps 8 bits: each
+    rank's half is rounded once, the sum once more)."""
+    ranks = [r["bf16"] for r in ranks[0]]
+    assert {r["allreduce"] for r in ranks} == {"gloo"}
+    for i, name in enumerate(NAMES):
+        true_average = (ranks[0]["steps"][0]["own"][i] + ranks[1]["steps"][0]["own"][i]) / 2
+        scale = max(r["steps"][0]["own"][i].abs().max() for r in ranks)
+        for r in ranks:
+            difference = (r["steps"][0]["averaged"][i] - true_average).abs().max()
+            assert difference <= scale / 128, name
+    # It did compress: float32's average differs from it somewhere.
+    assert not torch.equal(
+        ranks[0]["steps"][0]["averaged"][4], (ranks[0]["steps"][0]["own"][4] + ranks[1]["steps"][0]["own"][4]) / 2
+    )
+
+
+def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
+    """The first 2 steps are plain averages (rtol 1e-5). At the first compressed step the averaged gradient plus
+    the ranks' mean error feedback is the true average (rtol 1e-4): nothing is lost, only delayed. The biases
+    travel uncompressed; fc1's weight does not, and the whole model is one bucket (two race over Gloo)."""
+    ranks = [r["powersgd"] for r in ranks[0]]
+    assert ranks[0]["order"] and sorted(ranks[0]["order"]) == sorted(NAMES)  # one bucket held every parameter
+    for step in range(STEPS):
+        for i, name in enumerate(NAMES):
+            true_average = (ranks[0]["steps"][step]["own"][i] + ranks[1]["steps"][step]["own"][i]) / 2
+            scale = true_average.abs().max()
+            for r in ranks:
+                averaged = r["steps"][step]["averaged"][i]
+                if step < convnet_distributed.POWERSGD_PLAIN_STEPS:
+                    torch.testing.assert_close(averaged, true_average, rtol=1e-5, atol=1e-6 * scale)
+                    assert r["steps"][step]["error"] == {}
+                    continue
+                errors = sum(other["steps"][step]["error"][name] for other in ranks) / len(ranks)
+                kept = averaged + errors.view_as(averaged.contiguous()).as_strided(averaged.shape, averaged.stride())
+                torch.testing.assert_close(kept, true_average, rtol=1e-4, atol=1e-5 * scale)
+                if name.endswith("bias"):
+                    torch.testing.assert_close(averaged, true_average, rtol=1e-5, atol=1e-6 * scale)
+                if name == "fc1.weight":
+                    assert not torch.allclose(averaged, true_average, rtol=1e-2, atol=1e-3 * scale)
+
+
+def test_resume_is_exact_with_powersgds_state(ranks):
+    """Steps taken after a checkpoint, and the same steps taken by a fresh model resumed from it, give the same
+    weights, bit for bit: the checkpoint holds each rank's error feedback and the warm-started Q, laid out again
+    for the resumed run's first bucket, whose order DDP has not changed yet. (Without that state PowerSGD would
+    start afresh there, and the weights would differ.)"""
+    results, out = ranks
+    for r in results:
+        for unbroken, resumed in zip(r["resume"]["unbroken"], r["resume"]["resumed"]):
+            assert torch.equal(unbroken, resumed)
+    saved = torch.load(out / "ck.pt", weights_only=True)["compression"]
+    assert saved["iter"] == RESUME_AT and len(saved["errors"]) == 2
+    assert set(saved["errors"][1]) == set(NAMES) and set(saved["q"]) == {"conv2.weight", "fc1.weight", "fc2.weight"}
+    assert not torch.equal(saved["errors"][0]["fc1.weight"], saved["errors"][1]["fc1.weight"])  # each rank's own
+
+
+@pytest.mark.parametrize("script", [convnet_distributed, convnet_distributed_cuda])
+def test_a_bad_compress_value_is_one_line(clean_env, capsys, script):
+    with pytest.raises(SystemExit) as stop:
+        script.parse_args(["--compress", "zip"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --compress: invalid choice: 'zip'" in err, err
+
+
+# --- across two hosts (network namespaces, tests/test_multihost.py), the link shaped by tc ----------------------
+
+from test_multihost import finish_all, make_network, random_port, script_machines  # noqa: E402
+
+BENCH = os.path.join(REPO, "bench", "network.py")
+
+
+@pytest.fixture
+def slow_network():
+    """The two hosts of tests/test_multihost.py, joined at 10 Mbit/s in each direction."""
+    if not shutil.which("tc"):
+        pytest.skip("needs tc (iproute2) to shape the link")
+    for net in make_network():
+        for ns, interface in ((net.ns_a, net.if_a), (net.ns_b, net.if_b)):
+            shape = ["tc", "-n", ns, "qdisc", "add", "dev", interface, "root", "tbf", "rate", "10mbit"]
+            subprocess.run([*shape, "burst", "70000", "latency", "100ms"], check=True, timeout=30)
+        yield net
+
+
+@pytest.mark.timeout(180)
+def test_check_on_a_slow_link_names_the_flag(slow_network, data_dir, tmp_path):
+    """--check times an average of the gradients' real size (1.2 MB: about 1 s at 10 Mbit/s) against a step of
+    computing, and names --compress powersgd, since the network would dominate."""
+    machines = script_machines(slow_network, random_port(), data_dir, tmp_path, script_env(), extra=["--check"])
+    results = finish_all(machines, 120)
+    assert [r.returncode for r in results] == [0, 0], results
+    last = results[0].stdout.splitlines()[-1]
+    assert last.startswith("Network: averaging the gradients (1.2 MB) takes ~"), results[0].stdout
+    assert last.endswith("step: consider --compress powersgd"), last
+    network_ms = int(last.split("takes ~")[1].split(" ms")[0])
+    assert 700 < network_ms < 10_000, last  # 1.2 MB each way at 10 Mbit/s: about 1 s
+
+
+@pytest.mark.timeout(300)
+def test_network_benchmark_runs_the_reference_and_each_choice_interleaved(data_dir, tmp_path):
+    """bench/network.py, small: the one-host reference and 2 hosts at 100 Mbit/s with and without PowerSGD, one
+    repeat, on the generated data; it writes its table, plot and runs, and leaves no namespace behind."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        pytest.skip("needs root, ip and tc to make the two hosts")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = tmp_path / "results"
+    cmd = [sys.executable, BENCH, "--dataset", "mnist", "--data-dir", data_dir, "--links", "100"]
+    cmd += ["--compress", "none,powersgd", "--repeats", "1", "--accuracy-epochs", "0", "--out-dir", out]
+    done = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=script_env(), timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = (out / "network.md").read_text()
+    for row in ("| one host, Gloo | none |", "| 100 Mbit/s | none |", "| 100 Mbit/s | powersgd |"):
+        assert row in table, table
+    assert "| 100 Mbit/s, --compress powersgd: throughput ≥ 0.80 of one host |" in table
+    assert "--compress powersgd: test accuracy after 1 epoch(s) within 0.5 points of none's" in table
+    assert (out / "network.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = json.loads((out / "runs.json").read_text())["runs"]
+    assert [(r["link_mbit"], r["compress"]) for r in runs] == [(None, "none"), (100, "none"), (100, "powersgd")]
+    for r in runs:
+        m = r["metrics"]
+        assert m["world_size"] == 2 and m["allreduce"] == "gloo" and m["compress"] == r["compress"]
+        assert m["test_accuracy"] > 0.8 and m["train_seconds"] > 0
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_network_benchmark_without_root_says_so_in_one_line(monkeypatch, tmp_path):
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import network
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as stop:
+        network.main(["--out-dir", str(tmp_path / "out")])
+    assert str(stop.value).startswith("bench/network.py needs root") and "\n" not in str(stop.value)
+    assert not (tmp_path / "out").exists()  # nothing made
