@@ -934,7 +934,7 @@ def rendezvous(rank, world_size, args):
     try:
         roll_call(store, rank, world_size, args, deadline)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        sys.exit(f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+        stop_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
     return store
 
 
@@ -968,16 +968,20 @@ def roll_call(store, rank, world_size, args, deadline):
         sys.exit(1)
     differ = [k for k in JOB_FLAGS if job["job"].get(k) != me["job"].get(k)]
     if differ:
-        flags = " ".join(f"--{k.replace('_', '-')}" if k != "world_size" else "world size" for k in differ)
-        theirs, ours = (" ".join(str(j["job"].get(k)) for k in differ) for j in (job, me))
+        theirs, ours = (
+            ", ".join(
+                f"{'--' + k.replace('_', '-') if k != 'world_size' else 'world size'} {j['job'].get(k)}" for k in differ
+            )
+            for j in (job, me)
+        )
         if set(differ) <= set(JOB_FLAGS[:4]):  # the same job, started with another layout on some machine
             stop_job(store, rank, args, (
-                f"error: the machines disagree on the layout: machine 0 ({job['host']}) has {flags} {theirs}, machine "
-                f"{args.machine_id} ({me['host']}) {ours}: start every machine with the same --num-machines and "
+                f"error: the machines disagree on the layout: machine 0 ({job['host']}) has {theirs}; machine "
+                f"{args.machine_id} ({me['host']}) has {ours}: start every machine with the same --num-machines and "
                 "processes per machine"))  # fmt: skip
         stop_job(None, rank, args, (
-            f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}; its {flags} "
-            f"{theirs}, this one's {ours}): choose another --master-port for this job"))  # fmt: skip
+            f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
+            f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
     held = json.loads(store.compare_set(f"rank/{rank}", "", mine))
     if held != me:
         stop_job(None if store.check(["ready"]) else store, rank, args, twice(rank, held, me, args))
@@ -1010,7 +1014,8 @@ def stop_job(store, rank, args, line):
     With store, every process of the job stops too, each machine saying the same line."""
     if store is not None:
         store.set("abort", line)
-        time.sleep(1)  # the others look every 0.1 s: let them read it before this store, perhaps rank 0's, goes
+    if store is not None or rank == 0:
+        time.sleep(1)  # the others look every 0.1 s: let them read the line before rank 0, and its store, go
     if local_rank_of(rank, args) != 0:
         time.sleep(2)
         sys.exit(1)
