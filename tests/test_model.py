@@ -95,6 +95,8 @@ def test_constants_are_the_same():
         assert m.DATASETS == convnet_undistributed.DATASETS
         assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
     assert convnet_undistributed.TEST_BATCH_SIZE == convnet_distributed.TEST_BATCH_SIZE  # the CPU scripts'
+    assert convnet_distributed.LAUNCHERS == convnet_distributed_cuda.LAUNCHERS
+    assert convnet_distributed.JOB_FLAGS == convnet_distributed_cuda.JOB_FLAGS
 
 
 def test_the_three_convnets_compute_the_same_function():

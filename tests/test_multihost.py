@@ -486,3 +486,30 @@ def test_elastic_torchrun_carries_on_without_a_node_that_died(network, data_dir,
     assert m["history"][-1]["epoch"] == ELASTIC_EPOCHS - 1
     assert torch.load(ck, map_location="cpu", weights_only=True)["epoch"] == ELASTIC_EPOCHS - 1
     assert_namespaces_empty(network)
+
+
+COPIED_SECONDS = 40  # start-up and the roll call; well under the --timeout of 120 the launches are given
+
+
+@pytest.mark.timeout(COPIED_SECONDS + 60)
+def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, data_dir, tmp_path):
+    """Machine 0's command copied to machine 1, --machine-id 0 and all: the count of arrivals was met, and machine 0
+    failed after --timeout blaming the network and firewall. Now each machine says what is wrong, in one line."""
+    port = random_port()
+    machines = launch_machines(
+        network,
+        tmp_path,
+        env_without_interface(),
+        lambda i: [
+            *[sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", 0, "--num-processes", 2, "--check"],
+            *["--master-addr", "node0", "--master-port", port, "--timeout", 120],
+        ],
+    )
+    results = finish_all(machines, COPIED_SECONDS)
+    for r in results:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, describe(results)
+        assert lines[0].startswith("error: rank 0 joined twice, from machine 0 on node"), describe(results)
+        assert "give each machine its own --machine-id, 0 to 1" in lines[0]
+    assert all(r.seconds < COPIED_SECONDS for r in results)
+    assert_namespaces_empty(network)
