@@ -953,7 +953,8 @@ def roll_call(store, rank, world_size, args, deadline):
         "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
         "launch": args.launch_id, "job": {k: v for k, v in vars(args).items() if k in JOB_FLAGS},
     }  # fmt: skip
-    if args.rank is not None:  # a launcher that starts every process may put more of them on one machine than another
+    if args.rank is not None and args.num_machines > 1 and args.launcher != "RANK and WORLD_SIZE":
+        # srun and mpirun may put more processes on one machine than on another
         me["job"].pop("num_processes", None), me["job"].pop("num_gpu_processes", None)
     me["job"]["world_size"] = world_size
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"

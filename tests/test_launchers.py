@@ -8,6 +8,7 @@ job, and check that each ends within seconds with one line naming the mistake, a
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -223,6 +224,34 @@ def test_two_jobs_started_at_once_on_one_port_one_trains_the_other_stops(data_di
     assert "epoch: " not in loser.stdout and winner.stderr == "", winner.stderr
     (metrics,) = [read_json(p) for p in tmp_path.glob("*.json")]
     assert metrics["world_size"] == 2 and metrics["test_samples"] == N_TEST and metrics["test_accuracy"] > 0.8
+
+
+@pytest.mark.timeout(3 * WITHIN + 120)
+def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
+    """The same, made certain: job A's machine 0 serves the port and waits for its machine 1; then a process of
+    another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) and A's machine 1 start at once. The stranger
+    used to count as A's missing process, and A formed its group with it. Now it stops with one line, and A forms
+    its group of 2 (--check: the group is what is tested here; the test above trains)."""
+    port = free_port()
+    a0 = job(data_dir, "--check", processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT)
+    deadline = time.monotonic() + WITHIN + 30
+    while time.monotonic() < deadline and a0.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    env = script_env(RANK="1", WORLD_SIZE="2", MASTER_PORT=str(port))
+    stranger = job(data_dir, "--check", "--lr", "0.4", processes=1, machines=2, machine=1, timeout=TIMEOUT, port=port,
+                   env=env)  # fmt: skip
+    a1 = job(data_dir, "--check", processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
+    results = [finish(p, timeout=3 * WITHIN + 60) for p in (a0, a1, stranger)]
+    assert all(left_running(p.pid) == [] for p in (a0, a1, stranger))
+    assert [r.returncode for r in results] == [0, 0, 1], [r.stderr for r in results]
+    lines = results[2].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: 127.0.0.1:{port} is another job's rendezvous"), lines
+    assert "--lr 0.5; this one --lr 0.4" in lines[0], lines
+    assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout, results[0].stdout
+    assert results[2].stdout == ""
 
 
 MPI_SECONDS = 120  # one mpirun job of 2 ranks; about 10 s on 2 cores
