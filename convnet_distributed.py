@@ -284,9 +284,7 @@ def join_group(rank, world_size, args):
 def data_parallel(model, rank, world_size, args):
     """DDP around model; returns it and how it averages the gradients: "shared-memory" when every process is
     on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo"."""
-    shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(
-        model, rank, world_size, args
-    )
+    shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
@@ -1216,14 +1214,14 @@ class SharedMemoryAverager:
         return 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
 
     @staticmethod
-    def fits(model, rank, world_size, args):
+    def fits(model, rank, world_size):
         """Whether /dev/shm has room for the averager (every rank gets rank 0's answer). Under a launcher that starts
         every process nobody else has looked, so rank 0 says when it has not (the script's own launcher said so)."""
         need = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
         answer = [None]
         if rank == 0:
             _, answer[0], shortfall = shared_memory_plan(gradients=need)
-            if shortfall and args.rank is not None:
+            if shortfall and not launcher_layout()[1].get("own_launcher", True):
                 print(shortfall, flush=True)
         dist.broadcast_object_list(answer, src=0)
         return answer[0]
