@@ -158,7 +158,8 @@ def test_a_launcher_variable_that_is_not_a_number_is_one_line(clean_env, monkeyp
     assert exit.value.code == 2 and "SLURM set SLURM_PROCID='three', which is not a whole number" in err, err
 
 
-# The rendezvous: launches on this host that cannot make one job. Each ends within seconds, not --timeout.
+# The rendezvous: launches on this host that cannot make one job. Each ends within seconds, not --timeout. Those
+# that form no group run with --check, which makes the group as a real run would without loading the data first.
 TIMEOUT = 60  # the launches' --timeout: every mistake below must be named long before it
 WITHIN = 30  # seconds from start to the last exit (start-up and data loading included; about 5 s on 2 cores)
 
@@ -184,7 +185,9 @@ def test_a_machine_id_given_twice_stops_every_machine_with_one_line(data_dir):
     """Two launches as machine 1 of 3: the count of arrivals was met (or would have been), and machine 0 blamed
     the network after --timeout. Now the second claim of rank 1 stops the whole job, each machine saying why."""
     port = free_port()
-    procs = [job(data_dir, processes=1, machines=3, machine=m, port=port, timeout=TIMEOUT) for m in (0, 1, 1)]
+    procs = [
+        job(data_dir, "--check", processes=1, machines=3, machine=m, port=port, timeout=TIMEOUT) for m in (0, 1, 1)
+    ]
     results, seconds = run_together(procs)
     one_line_each(results, "error: rank 1 joined twice, from machine 1 on ", "give each machine its own --machine-id")
     assert seconds < WITHIN, seconds
@@ -196,10 +199,10 @@ def test_machines_that_disagree_on_the_layout_stop_with_one_line(data_dir, flags
     """Machine 1 started with another --num-processes (or --num-machines): the side with the smaller world went
     ahead and the other waited. Now both stop at once, naming the flag that differs."""
     port = free_port()
-    machine0 = job(data_dir, processes=2, machines=2, machine=0, port=port, timeout=TIMEOUT)
+    machine0 = job(data_dir, "--check", processes=2, machines=2, machine=0, port=port, timeout=TIMEOUT)
     machine1 = launch(
         "convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--num-machines", 2, "--machine-id",
-        1, "--batch-size", 32, "--log-interval", 1, "--master-port", port, "--timeout", TIMEOUT, *flags,
+        1, "--batch-size", 32, "--log-interval", 1, "--master-port", port, "--timeout", TIMEOUT, "--check", *flags,
     )  # fmt: skip
     results, seconds = run_together([machine0, machine1])
     one_line_each(results, "error: the machines disagree on the layout: machine 0 ", flags[0])
