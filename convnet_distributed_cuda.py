@@ -357,6 +357,7 @@ def layout_line(world_size, args, averaging):
         f"World size {world_size} = {plural(world_size // processes, 'machine')} x {plural(processes, 'process')}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
         f"{plural(torch.get_num_threads(), 'thread')} per process; gradients averaged {averaging}"
+        + (f" ({args.launch_note})" if args.launch_note else "")
     )
 
 
@@ -481,8 +482,8 @@ def main(argv=None):
         )
     stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
-        if under_torchrun():
-            worker(int(getenv("LOCAL_RANK")), args, None)
+        if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
+            worker(args.local_rank, args, None)
             return
         data = None
         if not args.check:
@@ -496,7 +497,7 @@ def main(argv=None):
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
         checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
-        if getenv("LOCAL_RANK", "0") == "0":  # under torchrun, one line per machine, not one per process
+        if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
             print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
         sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
 
@@ -544,20 +545,10 @@ def spawned_worker(local_rank, args, data, held):
         sys.exit(143)
 
 
-def under_torchrun():
-    return all(getenv(name) is not None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def one_process_per_launch():
-    """RANK and WORLD_SIZE without LOCAL_RANK: each launch is one process of the job, as Kubeflow's PyTorchJob
-    and hand-written env:// jobs start it."""
-    return getenv("RANK") is not None and getenv("WORLD_SIZE") is not None and getenv("LOCAL_RANK") is None
-
-
 def placement(args, local_rank):
     """(rank, world size, processes on this machine): the one place they are worked out."""
-    if under_torchrun():
-        return int(getenv("RANK")), int(getenv("WORLD_SIZE")), int(getenv("LOCAL_WORLD_SIZE", 1))
+    if args.rank is not None:  # a launcher started this process and said where it stands (launcher_layout)
+        return args.rank, args.world_size, args.num_gpu_processes
     return (
         args.machine_id * args.num_gpu_processes + local_rank,
         args.num_machines * args.num_gpu_processes,
@@ -706,42 +697,41 @@ def build_parser():
 
 
 def fill_layout(parser, args):
-    """Machines, processes, this machine's id and machine 0's address: the flags, else the environment,
-    else one process on one machine. Where a launcher set the layout (torchrun, or RANK and WORLD_SIZE
-    alone) its environment decides: a flag that says otherwise is reported, not ignored."""
-    master = {"master_addr": host(getenv("MASTER_ADDR", "")) or None, "master_port": getenv("MASTER_PORT")}
+    """Machines, processes, this machine's id and machine 0's address and port: the flags, else what the launcher
+    that started this process says (launcher_layout), else one process on one machine. A flag that says otherwise
+    than the launcher is reported, not ignored."""
     try:
-        if under_torchrun():
-            local = int(getenv("LOCAL_WORLD_SIZE", 1))
-            decided = {
-                "num_gpu_processes": local, "num_machines": int(getenv("WORLD_SIZE")) // local,
-                "machine_id": int(getenv("GROUP_RANK", 0)), **master,
-            }  # fmt: skip
-            launcher, fix = "torchrun, which set", "give torchrun the same"
-        elif one_process_per_launch():
-            rank, world_size = int(getenv("RANK")), int(getenv("WORLD_SIZE"))
-            decided = {"num_gpu_processes": 1, "num_machines": world_size, "machine_id": rank, **master}
-            launcher = (
-                f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size}), "
-                "which set"
-            )
-            fix = "unset RANK and WORLD_SIZE"
-        else:
-            decided = {}
-    except ValueError:
-        names = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-        found = " ".join(f"{name}={getenv(name)!r}" for name in names if getenv(name) is not None)
-        parser.error(f"the environment sets {found}: each must be a whole number")
+        launcher, said = launcher_layout()
+    except ValueError as e:
+        parser.error(str(e))
+    master = {
+        "master_addr": host(getenv("MASTER_ADDR", "")) or said.get("master_addr") or None,
+        "master_port": getenv("MASTER_PORT") or said.get("master_port"),
+    }
+    decided = dict(master) if launcher else {}  # without a launcher, MASTER_ADDR and MASTER_PORT are defaults
+    args.launcher, args.rank, args.local_rank, args.launch_note = launcher, None, 0, said.get("note")
+    # What the processes of this launch share, and no other launch: this launching process, here and now.
+    args.launch_id = said.get("launch_id") if launcher else f"{socket.gethostname()}/{os.getpid()}/{LAUNCH_TIME}"
+    if launcher is not None:
+        decided.update(num_machines=said["machines"], machine_id=said["machine"])
+        if not said["own_launcher"]:  # the launcher started this process as one rank
+            decided["num_gpu_processes"] = said["local_size"]
+            args.rank, args.local_rank, args.world_size = said["rank"], said["local_rank"], said["world_size"]
+    if said.get("master_addr") == "" and said["machines"] > 1 and not (args.master_addr or master["master_addr"]):
+        parser.error(
+            f"{said['who']} runs this job on {said['machines']} machines: give machine 0's address as --master-addr "
+            "or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
+        )
     defaults = {
         "num_gpu_processes": max(1, torch.cuda.device_count()), "num_machines": 1, "machine_id": 0,
-        "master_addr": host(getenv("MASTER_ADDR", "127.0.0.1")), "master_port": getenv("MASTER_PORT", "8892"),
+        "master_addr": master["master_addr"] or "127.0.0.1", "master_port": master["master_port"] or "8892",
     }  # fmt: skip
     for name, default in defaults.items():
         given, set_by_launcher = getattr(args, name), decided.get(name)
         if given is not None and set_by_launcher is not None and str(given) != str(set_by_launcher):
             parser.error(
-                f"--{name.replace('_', '-')} {given} disagrees with {launcher} {set_by_launcher}: "
-                f"drop the flag, or {fix}"
+                f"--{name.replace('_', '-')} {given} disagrees with {said['who']}, which set {set_by_launcher}: "
+                f"drop the flag, or {said['fix']}"
             )
         setattr(args, name, next(v for v in (given, set_by_launcher, default) if v is not None))
     try:
@@ -807,10 +797,120 @@ def getenv(name, default=None):
 # on SIGTERM.
 
 
+# Each launcher that starts the processes itself, how it is recognised (every variable of marked_by set; the first
+# that matches wins: torchrun and mpirun run inside SLURM jobs, whose variables they pass on), and the variables that
+# give each process its rank, the world size, its local rank, the processes on its machine (local_size), the
+# machine's index and the number of machines. A variable not named is not said: local rank 0 of 1, machine rank //
+# local size. master_addr and master_port give machine 0's where MASTER_ADDR and MASTER_PORT are unset ("": none,
+# which a job across machines must be given); launch names what all processes of one launch share.
+LAUNCHERS = {
+    "torchrun": {
+        "marked_by": ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "rank": "RANK", "world_size": "WORLD_SIZE",
+        "local_rank": "LOCAL_RANK", "local_size": "LOCAL_WORLD_SIZE", "machine": "GROUP_RANK",
+        "launch": ("TORCHELASTIC_RUN_ID",), "fix": "give torchrun the same",
+    },
+    "Open MPI": {
+        "marked_by": ("OMPI_COMM_WORLD_RANK",), "rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "launch": ("OMPI_MCA_orte_hnp_uri",), "master_addr": "", "fix": "give mpirun the same",
+    },
+    "MPICH": {  # and Intel MPI: both launch with Hydra
+        "marked_by": ("PMI_RANK", "MPI_LOCALRANKID"), "rank": "PMI_RANK", "world_size": "PMI_SIZE",
+        "local_rank": "MPI_LOCALRANKID", "local_size": "MPI_LOCALNRANKS", "master_addr": "",
+        "fix": "give mpiexec the same",
+    },
+    "MVAPICH": {
+        "marked_by": ("MV2_COMM_WORLD_RANK",), "rank": "MV2_COMM_WORLD_RANK", "world_size": "MV2_COMM_WORLD_SIZE",
+        "local_rank": "MV2_COMM_WORLD_LOCAL_RANK", "local_size": "MV2_COMM_WORLD_LOCAL_SIZE", "master_addr": "",
+        "fix": "give mpirun the same",
+    },
+    # srun sets the SLURM_STEP_ variables in each task; a shell in an allocation (salloc, sbatch) has the job's only.
+    "SLURM": {
+        "marked_by": ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"), "rank": "SLURM_PROCID",
+        "world_size": "SLURM_STEP_NUM_TASKS", "local_rank": "SLURM_LOCALID", "local_size": "SLURM_STEP_TASKS_PER_NODE",
+        "machine": "SLURM_NODEID", "machines": "SLURM_STEP_NUM_NODES", "launch": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+        "master_addr": "SLURM_JOB_NODELIST", "master_port": "SLURM_JOB_ID", "fix": "give srun the same",
+    },
+    # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
+    "RANK and WORLD_SIZE": {
+        "marked_by": ("RANK", "WORLD_SIZE"), "rank": "RANK", "world_size": "WORLD_SIZE", "machine": "RANK",
+        "machines": "WORLD_SIZE", "fix": "unset RANK and WORLD_SIZE",
+    },
+}  # fmt: skip
+
+
+def launcher_layout():
+    """(name, facts) of the launcher in LAUNCHERS that started this process, or (None, {}): the one place the
+    launchers' variables are read. Under srun with one task per node (own_launcher) the script's own launcher runs
+    there and starts --num-processes; under every other launcher this process is one rank."""
+    name = next((n for n, says in LAUNCHERS.items() if all(getenv(v) is not None for v in says["marked_by"])), None)
+    if name is None:
+        return None, {}
+    says = LAUNCHERS[name]
+
+    def number(key, default, index=0):
+        text = getenv(says[key]) if key in says else None
+        try:
+            return default if text is None else int(text) if text.isdigit() else expand_counts(text)[index]
+        except (ValueError, IndexError):
+            raise ValueError(f"{name} set {says[key]}={text!r}, which is not a whole number") from None
+
+    rank, world_size, machine = number("rank", 0), number("world_size", 1), number("machine", None)
+    local_size = number("local_size", 1, index=machine or 0)
+    machine = rank // local_size if machine is None else machine
+    machines = number("machines", -(-world_size // local_size))
+    own_launcher = name == "SLURM" and world_size == machines
+    master = {"master_addr": says.get("master_addr"), "master_port": None}
+    if name == "SLURM":  # the first node of the job is machine 0; a port of this job's, so that jobs may share a node
+        master = {"master_addr": expand_hosts(getenv(says["master_addr"], "localhost"))[0],
+                  "master_port": 15000 + number("master_port", 0) % 10000}  # fmt: skip
+    restart = int(getenv("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    notes = {
+        "torchrun": f"torchrun, restart {restart}" if restart else "torchrun",
+        "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own_launcher
+        else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
+        "RANK and WORLD_SIZE": f"RANK and WORLD_SIZE: rank {rank} of {world_size}, one process per launch",
+    }  # fmt: skip
+    launch = [getenv(v) for v in says.get("launch", ())]
+    one_process = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
+    who = one_process if name == "RANK and WORLD_SIZE" else name
+    return name, {
+        "rank": rank, "world_size": world_size, "local_rank": number("local_rank", 0), "local_size": local_size,
+        "machine": machine, "machines": machines, "own_launcher": own_launcher, **master, "who": who,
+        "fix": says["fix"], "note": notes.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}"),
+        "launch_id": "/".join(launch) if launch and None not in launch else None,
+    }  # fmt: skip
+
+
+def expand_hosts(text):
+    """SLURM's compressed host list, in full: node[01-03,07],gpu1 is node01 node02 node03 node07 gpu1. Read here,
+    as a node may have no scontrol."""
+    hosts = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
+        brackets = re.search(r"\[([^\]]*)\]", item)
+        if brackets is None:
+            hosts.append(item)
+            continue
+        for part in brackets.group(1).split(","):
+            low, _, high = part.partition("-")
+            for n in range(int(low), int(high or low) + 1):  # the width of the lower bound keeps its zeros: 01
+                hosts += expand_hosts(f"{item[: brackets.start()]}{n:0{len(low)}d}{item[brackets.end() :]}")
+    return hosts
+
+
+def expand_counts(text):
+    """SLURM's compressed counts per node: 2(x3),1 is 2 2 2 1."""
+    counts = []
+    for part in text.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts
+
+
 def rendezvous(rank, world_size, args):
-    """The store every process of the job meets at. Arrivals are counted, so that a machine that never
-    starts is reported after --timeout, not waited for in silence."""
-    if under_torchrun():  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
+    """The store every process of the job meets at, and its roll call (roll_call): a machine that never starts is
+    reported after --timeout, a process that does not belong within seconds."""
+    if args.launcher == "torchrun":  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
         served = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
         resolve(args.master_addr, rank, time.monotonic() + args.timeout)
         agent_store = dist.TCPStore(
@@ -826,18 +926,99 @@ def rendezvous(rank, world_size, args):
     deadline = time.monotonic() + args.timeout
     store = open_store(rank, world_size, args, deadline)
     try:
-        store.add("joined", 1)
-        while (joined := store.add("joined", 0)) < world_size:
-            if rank == 0 and time.monotonic() > deadline:
-                sys.exit(
-                    f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} "
-                    f"s: start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
-                    f"{args.num_machines - 1}) with the same --master-addr and --master-port"
-                )
-            time.sleep(0.1)
+        roll_call(store, rank, world_size, args, deadline)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        sys.exit(f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+        stop_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
     return store
+
+
+# What every process of one job agrees on; a process that says otherwise belongs to another job, or was started
+# with other flags. The first three are the layout.
+JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size", "epochs",
+             "lr", "seed", "amp", "allreduce", "check")  # fmt: skip
+
+
+def roll_call(store, rank, world_size, args, deadline):
+    """Every process registers under its own rank's key (compare_set: a second claim finds the first), with its
+    machine, host, launch and the job's flags; rank 0 waits for every rank, then says "ready". What cannot make one
+    job stops every process within seconds, with one line per machine: a rank or machine id given twice, or machines
+    that disagree on the layout. A process of another job at this address and port stops alone, never joining."""
+    me = {
+        "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
+        "launch": args.launch_id, "job": {k: v for k, v in vars(args).items() if k in JOB_FLAGS},
+    }  # fmt: skip
+    if args.rank is not None and args.num_machines > 1 and args.launcher != "RANK and WORLD_SIZE":
+        # srun and mpirun may put more processes on one machine than on another
+        me["job"].pop("num_processes", None), me["job"].pop("num_gpu_processes", None)
+    me["job"]["world_size"] = world_size
+    mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
+    if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
+        first = json.loads(store.compare_set("job", "", mine))
+        if first != me:
+            stop_job(store, rank, args, twice(0, first, me, args))
+    job = json.loads(store.get("job"))  # rank 0's, once it has claimed the store
+    if args.machine_id == 0 and rank != 0 and args.launch_id is not None and job["launch"] != args.launch_id:
+        # Machine 0's own rank 0 could not serve this address and port (another job holds it) and says so itself.
+        time.sleep(2)
+        sys.exit(1)
+    differ = [k for k in JOB_FLAGS if job["job"].get(k) != me["job"].get(k)]
+    if differ:
+        theirs, ours = (
+            ", ".join(
+                f"{'--' + k.replace('_', '-') if k != 'world_size' else 'world size'} {j['job'].get(k)}" for k in differ
+            )
+            for j in (job, me)
+        )
+        if set(differ) <= set(JOB_FLAGS[:4]):  # the same job, started with another layout on some machine
+            stop_job(store, rank, args, (
+                f"error: the machines disagree on the layout: machine 0 ({job['host']}) has {theirs}; machine "
+                f"{args.machine_id} ({me['host']}) has {ours}: start every machine with the same --num-machines and "
+                "processes per machine"))  # fmt: skip
+        stop_job(None, rank, args, (
+            f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
+            f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
+    held = json.loads(store.compare_set(f"rank/{rank}", "", mine))
+    if held != me:
+        stop_job(None if store.check(["ready"]) else store, rank, args, twice(rank, held, me, args))
+    keys = [f"rank/{r}" for r in range(world_size)]
+    while not store.check(["ready"]):
+        if store.check(["abort"]):
+            stop_job(None, rank, args, store.get("abort").decode())
+        if rank == 0 and store.check(keys):
+            store.set("ready", "1")
+        elif rank == 0 and time.monotonic() > deadline:
+            joined = sum(store.check([key]) for key in keys)
+            stop_job(store, rank, args, (
+                f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s: start "
+                f"every machine (--num-machines {args.num_machines}, --machine-id 0 to {args.num_machines - 1}) "
+                "with the same --master-addr and --master-port"))  # fmt: skip
+        time.sleep(0.1)
+
+
+def twice(rank, first, second, args):
+    """The line for a rank claimed by two processes: a copied --machine-id, or a launcher's rank given twice."""
+    return (
+        f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid {first['pid']}) and "
+        f"from machine {second['machine']} on {second['host']} (pid {second['pid']}): give each machine its own "
+        f"--machine-id, 0 to {args.num_machines - 1}, and each process its own rank"
+    )
+
+
+def stop_job(store, rank, args, line):
+    """Stop this process with line, said once per machine (by its local rank 0; the others wait for it to be said).
+    With store, every process of the job stops too, each machine saying the same line."""
+    if store is not None:
+        store.set("abort", line)
+    if store is not None or rank == 0:
+        time.sleep(1)  # the others look every 0.1 s: let them read the line before rank 0, and its store, go
+    if local_rank_of(rank, args) != 0:
+        time.sleep(2)
+        sys.exit(1)
+    sys.exit(line)
+
+
+def local_rank_of(rank, args):
+    return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
 def open_store(rank, world_size, args, deadline):

@@ -73,7 +73,7 @@ def test_torchrun_environment_decides_rank_and_world(clean_env, monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     args = convnet_distributed.parse_args([])
-    assert convnet_distributed.under_torchrun()
+    assert args.launcher == "torchrun" and args.machine_id == 1  # no GROUP_RANK: rank // local size
     assert convnet_distributed.placement(args, 1) == (5, 8, 4)
     assert args.threads == 2
 
@@ -165,7 +165,7 @@ def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
     args = convnet_distributed.parse_args([])
     assert (args.num_processes, args.num_machines, args.machine_id) == (1, 2, 1)
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 29500)
-    assert convnet_distributed.placement(args, 0) == (1, 2, 1) and not convnet_distributed.under_torchrun()
+    assert convnet_distributed.placement(args, 0) == (1, 2, 1) and args.launcher == "RANK and WORLD_SIZE"
     assert convnet_distributed.parse_args(["--num-processes", "1", "--machine-id", "1"]).num_machines == 2
     with pytest.raises(SystemExit) as exit:
         convnet_distributed.parse_args(flags)
@@ -185,7 +185,7 @@ def test_an_empty_environment_variable_is_unset(clean_env, monkeypatch, module):
     assert args.threads == 4
     if module is not convnet_undistributed:
         assert (args.master_addr, args.master_port, args.machine_id, args.num_machines) == ("127.0.0.1", 8892, 0, 1)
-        assert not module.under_torchrun() and not module.one_process_per_launch()
+        assert args.launcher is None and args.rank is None
 
 
 def test_master_port_empty_in_a_launch_is_the_default_not_an_error():

@@ -55,8 +55,13 @@ SAME_IN_DISTRIBUTED = [
     "peak_memory_per_rank",
     "run_workers",
     "spawned_worker",
-    "under_torchrun",
-    "one_process_per_launch",
+    "launcher_layout",
+    "expand_hosts",
+    "expand_counts",
+    "roll_call",
+    "twice",
+    "stop_job",
+    "local_rank_of",
     "layout_line",
     "share_data",
     "shared_memory_plan",
@@ -96,6 +101,8 @@ def test_constants_are_the_same():
         assert m.DATASETS == convnet_undistributed.DATASETS
         assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
     assert convnet_undistributed.TEST_BATCH_SIZE == convnet_distributed.TEST_BATCH_SIZE  # the CPU scripts'
+    assert convnet_distributed.LAUNCHERS == convnet_distributed_cuda.LAUNCHERS
+    assert convnet_distributed.JOB_FLAGS == convnet_distributed_cuda.JOB_FLAGS
 
 
 def test_the_three_convnets_compute_the_same_function():

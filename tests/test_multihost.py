@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from conftest import N_TEST, REPO, read_json, script_env
 
@@ -494,4 +495,76 @@ def test_machine_0_reached_at_its_secondary_address(network, data_dir, tmp_path,
     machine0 = f"Machine 0 (node0): 2 processes, Gloo on {alias} {secondary}" if alias else machine_lines(network)[0]
     lines = results[0].stdout.splitlines()
     assert lines == [machine0, machine_lines(network)[1], "Check passed: 4 processes on 2 machines reached each other"]
+
+
+ELASTIC_SECONDS = 240  # start, an epoch, the kill, torchrun's restart on the survivor, two more epochs
+ELASTIC_EPOCHS = 3
+
+
+@pytest.mark.timeout(ELASTIC_SECONDS + 60)
+def test_elastic_torchrun_carries_on_without_a_node_that_died(network, data_dir, tmp_path):
+    """torchrun --nnodes 1:2 --max-restarts 3 on both hosts, with --checkpoint --resume. After the first checkpoint
+    every process of node1 is killed outright: node0's rank notices (its Gloo connection is reset), torchrun restarts
+    it in a group of one, and it carries on from the last complete epoch to the end, naming the restart."""
+    endpoint, job, ck = f"node0:{random_port()}", secrets.token_hex(4), tmp_path / "ck.pt"
+    machines = launch_machines(
+        network,
+        tmp_path,
+        env_without_interface(),
+        lambda i: [
+            *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", 1],
+            *["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", 3],
+            *["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", 0.5],
+            *[SCRIPT, *common_args(data_dir, timeout=30), "--epochs", ELASTIC_EPOCHS, "--checkpoint", ck, "--resume"],
+            *["--metrics-json", tmp_path / "m.json", "--threads", 1],
+        ],
+        label="torchrun",
+    )
+    deadline = time.monotonic() + ELASTIC_SECONDS
+    while not ck.exists() and time.monotonic() < deadline and all(m.proc.poll() is None for m in machines):
+        time.sleep(0.1)
+    assert ck.exists(), describe([m.result() for m in machines])
+    for pid in netns_pids(network.ns_b):  # node1 dies outright: its agent and its worker
+        os.kill(pid, signal.SIGKILL)
+    done = torch.load(ck, map_location="cpu", weights_only=True)["epoch"]
+    survivor, node1 = finish_all(machines, max(10, deadline - time.monotonic()))
+    assert node1.returncode == -signal.SIGKILL
+    assert survivor.returncode == 0, describe([survivor, node1])
+    assert done < ELASTIC_EPOCHS - 1, f"both nodes finished epoch {done} before the kill"
+    lines = survivor.stdout.splitlines()
+    restarted = [line for line in lines if line.startswith("World size 1 = 1 machine x 1 process;")]
+    assert restarted and restarted[-1].endswith("(torchrun, restart 1)"), describe([survivor])
+    resumed = [line for line in lines if line.startswith(f"Resuming from {ck}: epoch ")]
+    assert resumed, describe([survivor])
+    m = read_json(tmp_path / "m.json")
+    assert m["world_size"] == 1 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
+    assert m["history"][-1]["epoch"] == ELASTIC_EPOCHS - 1
+    assert torch.load(ck, map_location="cpu", weights_only=True)["epoch"] == ELASTIC_EPOCHS - 1
+    assert_namespaces_empty(network)
+
+
+COPIED_SECONDS = 40  # start-up and the roll call; well under the --timeout of 120 the launches are given
+
+
+@pytest.mark.timeout(COPIED_SECONDS + 60)
+def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, data_dir, tmp_path):
+    """Machine 0's command copied to machine 1, --machine-id 0 and all: the count of arrivals was met, and machine 0
+    failed after --timeout blaming the network and firewall. Now each machine says what is wrong, in one line."""
+    port = random_port()
+    machines = launch_machines(
+        network,
+        tmp_path,
+        env_without_interface(),
+        lambda i: [
+            *[sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", 0, "--num-processes", 2, "--check"],
+            *["--master-addr", "node0", "--master-port", port, "--timeout", 120],
+        ],
+    )
+    results = finish_all(machines, COPIED_SECONDS)
+    for r in results:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, describe(results)
+        assert lines[0].startswith("error: rank 0 joined twice, from machine 0 on node"), describe(results)
+        assert "give each machine its own --machine-id, 0 to 1" in lines[0]
+    assert all(r.seconds < COPIED_SECONDS for r in results)
     assert_namespaces_empty(network)

@@ -74,8 +74,8 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 KillWait={kill_wait}
 MinJobAge=3600
-NodeName=node0 NodeAddr={addr0} CPUs=1 State=UNKNOWN
-NodeName=node1 NodeAddr={addr1} CPUs=1 State=UNKNOWN
+NodeName=node0 NodeAddr={addr0} CPUs=2 State=UNKNOWN
+NodeName=node1 NodeAddr={addr1} CPUs=2 State=UNKNOWN
 PartitionName=test Nodes=node0,node1 Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -483,4 +483,44 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     assert "Finished training in" in output
     check_metrics(tmp_path / "m.json", CANCEL_EPOCHS - 1 - done)
     assert torch.load(ck, map_location="cpu", weights_only=True)["epoch"] == CANCEL_EPOCHS - 1
+    cluster.assert_no_strays()
+
+
+# srun starts every process itself, one task per process, with no MASTER_ADDR, MASTER_PORT or --machine-id: machine 0
+# is the first node of node[0-1], the port one of this job's. Then the README's short recipe, one task per node.
+# The batch shell is no task: it has the job's variables, none of a step's.
+TASKS_SCRIPT = """\
+#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
+echo "batch shell: SLURM_STEP_NUM_TASKS=${{SLURM_STEP_NUM_TASKS:-unset}}"
+srun python convnet_distributed.py --batch-size 16 {common} --metrics-json {folder}/tasks.json
+srun --ntasks=2 --ntasks-per-node=1 python convnet_distributed.py --num-processes 2 --batch-size 16 {common} \
+--metrics-json {folder}/recipe.json
+"""
+
+
+@pytest.mark.timeout(START_SECONDS + 2 * JOB_SECONDS + 60)
+def test_srun_one_task_per_process_and_the_short_recipe(cluster, data_dir, tmp_path):
+    """--ntasks-per-node=2 and a plain srun: each task trained alone, four unrelated runs. Now one group of 4 ranks,
+    and the recipe without --num-machines and --machine-id forms the same group of 4 from one task per node."""
+    common = f"--threads 1 --data-dir {data_dir} --epochs 1 --log-interval 1000 --timeout {PEER_TIMEOUT}"
+    script = tmp_path / "job.sh"
+    script.write_text(TASKS_SCRIPT.format(common=common, folder=tmp_path))
+    out = tmp_path / "job.out"
+    job_id = cluster.submit(script, out)
+    fields = cluster.wait_job(job_id, timeout=2 * JOB_SECONDS, out=out)
+    output = out.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{output}\n{cluster.logs()}"
+    assert "batch shell: SLURM_STEP_NUM_TASKS=unset" in output, output
+    layouts = [line for line in output.splitlines() if line.startswith("World size")]
+    assert len(layouts) == 2, output  # one per step: rank 0 alone prints
+    assert layouts[0].startswith("World size 4 = 2 machines x 2 processes;"), layouts
+    assert layouts[0].endswith("over Gloo (SLURM: 4 tasks on 2 nodes)"), layouts
+    assert layouts[1].endswith("over Gloo (SLURM: 2 nodes, one task each)"), layouts
+    for name in ("tasks", "recipe"):
+        m = read_json(tmp_path / f"{name}.json")
+        assert m["world_size"] == 4 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8, m
+    for i in range(2):  # each step: machine 0 is node0, the first of node[0-1]
+        line = f"Machine {i} (node{i}): 2 processes, Gloo on {cluster.namespaces[i]} {cluster.addrs[i]}"
+        assert output.splitlines().count(line) == 2, output
     cluster.assert_no_strays()

@@ -1,0 +1,286 @@
+"""Every way a cluster starts a job, read from one table (LAUNCHERS), and a rendezvous that knows who is who.
+
+The first tests set each launcher's variables as it sets them and check the layout that launcher_layout() and
+parse_args() make of them; the launchers themselves run in tests/test_slurm.py (srun), here (mpirun) and
+tests/test_multihost.py (elastic torchrun). The last tests start real launches on this host that cannot make one
+job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import convnet_distributed
+import convnet_distributed_cuda
+from conftest import N_TEST, REPO, finish, free_port, launch, read_json, script_env
+from test_faults import job, left_running
+
+SCRIPTS = [convnet_distributed, convnet_distributed_cuda]
+
+
+def layout(module, monkeypatch, env, argv=()):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = module.parse_args(list(argv))
+    processes = args.num_gpu_processes if module is convnet_distributed_cuda else args.num_processes
+    return args, processes
+
+
+# srun --nodes 2 --ntasks-per-node 2: task 3 is the second task of the second node.
+SRUN_2X2 = dict(SLURM_JOB_ID="4711", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NODEID="1",
+                SLURM_STEP_NUM_TASKS="4", SLURM_STEP_NUM_NODES="2", SLURM_STEP_TASKS_PER_NODE="2(x2)",
+                SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[07-08]")  # fmt: skip
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkeypatch, module):
+    """Each task trained alone: four unrelated runs. The GPU script takes the task's own GPU, cuda:SLURM_LOCALID."""
+    args, processes = layout(module, monkeypatch, SRUN_2X2)
+    assert (args.launcher, args.rank, args.local_rank, args.world_size) == ("SLURM", 3, 1, 4)
+    assert (args.num_machines, args.machine_id, processes) == (2, 1, 2)
+    assert (args.master_addr, args.master_port) == ("node07", 15000 + 4711)
+    assert module.placement(args, args.local_rank) == (3, 4, 2)
+    assert args.launch_note == "SLURM: 4 tasks on 2 nodes"
+    assert args.threads == 4  # the 8 cores of this node shared by its 2 tasks
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    args, _ = layout(module, monkeypatch, {})
+    assert (args.master_addr, args.master_port) == ("10.0.0.7", 29500)
+
+
+def test_srun_with_uneven_tasks_per_node(clean_env, monkeypatch):
+    """--ntasks 3 on 2 nodes: node 1 holds one task, the third of the job."""
+    env = dict(SRUN_2X2, SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="3",
+               SLURM_STEP_TASKS_PER_NODE="2,1")  # fmt: skip
+    args, processes = layout(convnet_distributed, monkeypatch, env)
+    assert (args.rank, args.world_size, args.machine_id, args.num_machines, processes) == (2, 3, 1, 2, 1)
+
+
+def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, monkeypatch, capsys):
+    """The README's recipe without --num-machines and --machine-id: SLURM gives both, the flag the processes."""
+    env = dict(
+        SRUN_2X2, SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)"
+    )
+    args, _ = layout(convnet_distributed, monkeypatch, env, ["--num-processes", "4"])
+    assert (args.launcher, args.rank, args.num_machines, args.machine_id, args.num_processes) == (
+        "SLURM",
+        None,
+        2,
+        1,
+        4,
+    )
+    assert convnet_distributed.placement(args, 3) == (7, 8, 4) and args.threads == 2
+    assert args.launch_note == "SLURM: 2 nodes, one task each"
+    args, _ = layout(convnet_distributed, monkeypatch, {}, ["--num-machines", "2", "--machine-id", "1"])  # explicit
+    assert (args.num_machines, args.machine_id) == (2, 1)
+    with pytest.raises(SystemExit) as exit:
+        layout(convnet_distributed, monkeypatch, {}, ["--machine-id", "0"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--machine-id 0 disagrees with SLURM, which set 1" in err, err
+
+
+def test_a_shell_inside_an_allocation_is_not_a_slurm_launch(clean_env, monkeypatch):
+    """salloc, then python outside srun: the job's variables, none of a step's. One process, as on any machine."""
+    env = {k: v for k, v in SRUN_2X2.items() if not k.startswith(("SLURM_STEP", "SLURM_PROCID", "SLURM_LOCALID"))}
+    args, processes = layout(convnet_distributed, monkeypatch, env)
+    assert (args.launcher, args.rank, args.num_machines, args.machine_id, processes) == (None, None, 1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
+             OMPI_COMM_WORLD_LOCAL_SIZE="2", OMPI_MCA_orte_hnp_uri="12.0;tcp://10.0.0.1:4000"),
+        dict(PMI_RANK="3", PMI_SIZE="4", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2"),  # MPICH, Intel MPI
+        dict(MV2_COMM_WORLD_RANK="3", MV2_COMM_WORLD_SIZE="4", MV2_COMM_WORLD_LOCAL_RANK="1",
+             MV2_COMM_WORLD_LOCAL_SIZE="2"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_mpi_ranks_are_one_group(clean_env, monkeypatch, capsys, module, env):
+    """Each MPI rank trained alone. Across machines machine 0's address must be given; on one, loopback."""
+    args, processes = layout(module, monkeypatch, dict(env, MASTER_ADDR="node0"))
+    assert (args.rank, args.local_rank, args.world_size, args.num_machines, args.machine_id, processes) == (
+        3, 1, 4, 2, 1, 2)  # fmt: skip
+    assert args.master_addr == "node0" and args.launch_note.startswith("mpirun, ") and "4 ranks" in args.launch_note
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(SystemExit) as exit:
+        layout(module, monkeypatch, {})
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "runs this job on 2 machines: give machine 0's address as --master-addr or MASTER_ADDR" in err
+    assert layout(module, monkeypatch, {}, ["--master-addr", "10.0.0.1"])[0].master_addr == "10.0.0.1"
+    one_machine = {name: value.replace("3", "1").replace("4", "2") for name, value in env.items()}  # 2 ranks, both here
+    args, processes = layout(module, monkeypatch, one_machine)
+    assert (args.master_addr, args.num_machines, args.machine_id, processes) == ("127.0.0.1", 1, 0, 2)
+
+
+def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RESTART_COUNT="1")
+    args, _ = layout(convnet_distributed, monkeypatch, env)
+    assert args.launch_note == "torchrun, restart 1"
+    assert convnet_distributed.layout_line(1, args, "nowhere").endswith(
+        "; gradients averaged nowhere (torchrun, restart 1)"
+    )
+
+
+def test_plain_rank_and_world_size_take_the_first_gpu_of_their_own(clean_env, monkeypatch):
+    """RANK and WORLD_SIZE with no local rank: each launch is a machine of its own (a Kubeflow pod, its own GPUs), so
+    local rank 0, cuda:0 of the GPUs it sees. rank % GPU count would be wrong across machines: it assumes each runs
+    as many processes as it has GPUs, in blocks. A launcher's own local rank wins (torchrun, srun, mpirun)."""
+    args, processes = layout(convnet_distributed_cuda, monkeypatch, dict(RANK="5", WORLD_SIZE="8"))
+    assert (args.local_rank, processes, args.machine_id) == (0, 1, 5)
+    args, _ = layout(convnet_distributed_cuda, monkeypatch, dict(LOCAL_RANK="3", LOCAL_WORLD_SIZE="4"))
+    assert args.local_rank == 3
+
+
+def test_compressed_slurm_host_lists_and_counts_expand(clean_env):
+    expand = convnet_distributed.expand_hosts
+    assert expand("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
+    assert expand("gpu3,node[9-11],login") == ["gpu3", "node9", "node10", "node11", "login"]
+    assert expand("rack[1-2]-n[0-1]") == ["rack1-n0", "rack1-n1", "rack2-n0", "rack2-n1"]
+    assert expand("single") == ["single"]
+    assert convnet_distributed.expand_counts("2(x3),1") == [2, 2, 2, 1]
+
+
+def test_a_launcher_variable_that_is_not_a_number_is_one_line(clean_env, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit:
+        layout(convnet_distributed, monkeypatch, dict(SRUN_2X2, SLURM_PROCID="three"))
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "SLURM set SLURM_PROCID='three', which is not a whole number" in err, err
+
+
+# The rendezvous: launches on this host that cannot make one job. Each ends within seconds, not --timeout. Those
+# that form no group run with --check, which makes the group as a real run would without loading the data first.
+TIMEOUT = 60  # the launches' --timeout: every mistake below must be named long before it
+WITHIN = 30  # seconds from start to the last exit (start-up and data loading included; about 5 s on 2 cores)
+
+
+def one_line_each(results, *phrases):
+    for r in results:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert lines[0].startswith("error: ") and all(p in lines[0] for p in phrases), lines[0]
+        assert "epoch: " not in r.stdout
+
+
+def run_together(procs):
+    start = time.monotonic()
+    results = [finish(p, timeout=WITHIN + 60) for p in procs]
+    seconds = time.monotonic() - start
+    assert all(left_running(p.pid) == [] for p in procs)
+    return results, seconds
+
+
+@pytest.mark.timeout(WITHIN + 120)
+def test_a_machine_id_given_twice_stops_every_machine_with_one_line(data_dir):
+    """Two launches as machine 1 of 3: the count of arrivals was met (or would have been), and machine 0 blamed
+    the network after --timeout. Now the second claim of rank 1 stops the whole job, each machine saying why."""
+    port = free_port()
+    procs = [
+        job(data_dir, "--check", processes=1, machines=3, machine=m, port=port, timeout=TIMEOUT) for m in (0, 1, 1)
+    ]
+    results, seconds = run_together(procs)
+    one_line_each(results, "error: rank 1 joined twice, from machine 1 on ", "give each machine its own --machine-id")
+    assert seconds < WITHIN, seconds
+
+
+@pytest.mark.timeout(WITHIN + 120)
+@pytest.mark.parametrize("flags", [("--num-processes", 1), ("--num-machines", 3)])
+def test_machines_that_disagree_on_the_layout_stop_with_one_line(data_dir, flags):
+    """Machine 1 started with another --num-processes (or --num-machines): the side with the smaller world went
+    ahead and the other waited. Now both stop at once, naming the flag that differs."""
+    port = free_port()
+    machine0 = job(data_dir, "--check", processes=2, machines=2, machine=0, port=port, timeout=TIMEOUT)
+    machine1 = launch(
+        "convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--num-machines", 2, "--machine-id",
+        1, "--batch-size", 32, "--log-interval", 1, "--master-port", port, "--timeout", TIMEOUT, "--check", *flags,
+    )  # fmt: skip
+    results, seconds = run_together([machine0, machine1])
+    one_line_each(results, "error: the machines disagree on the layout: machine 0 ", flags[0])
+    assert seconds < WITHIN, seconds
+
+
+@pytest.mark.timeout(3 * WITHIN + 120)
+def test_two_jobs_started_at_once_on_one_port_one_trains_the_other_stops(data_dir, tmp_path):
+    """A parameter sweep started two jobs on one host and the default port: the losing job's rank 0 stopped, but
+    its rank 1 could join the winner's rendezvous. Now exactly one trains, as usual; the other stops with one line."""
+    port = free_port()
+    procs = [
+        job(data_dir, "--metrics-json", tmp_path / f"{lr}.json", "--lr", lr, "--epochs", 1, port=port, timeout=TIMEOUT)
+        for lr in ("0.5", "0.4")
+    ]
+    results = [finish(p, timeout=3 * WITHIN + 60) for p in procs]
+    assert all(left_running(p.pid) == [] for p in procs)
+    assert sorted(r.returncode for r in results) == [0, 1], [r.stderr for r in results]
+    winner, loser = sorted(results, key=lambda r: r.returncode)
+    assert loser.stderr.strip().count("\n") == 0 and loser.stderr.startswith("error: "), loser.stderr
+    assert f"127.0.0.1:{port}" in loser.stderr and "--master-port" in loser.stderr, loser.stderr
+    assert "epoch: " not in loser.stdout and winner.stderr == "", winner.stderr
+    (metrics,) = [read_json(p) for p in tmp_path.glob("*.json")]
+    assert metrics["world_size"] == 2 and metrics["test_samples"] == N_TEST and metrics["test_accuracy"] > 0.8
+
+
+@pytest.mark.timeout(3 * WITHIN + 120)
+def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
+    """The same, made certain: job A's machine 0 serves the port and waits for its machine 1; then a process of
+    another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) and A's machine 1 start at once. The stranger
+    used to count as A's missing process, and A formed its group with it. Now it stops with one line, and A forms
+    its group of 2 (--check: the group is what is tested here; the test above trains)."""
+    port = free_port()
+    a0 = job(data_dir, "--check", processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT)
+    deadline = time.monotonic() + WITHIN + 30
+    while time.monotonic() < deadline and a0.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    env = script_env(RANK="1", WORLD_SIZE="2", MASTER_PORT=str(port))
+    stranger = job(data_dir, "--check", "--lr", "0.4", processes=1, machines=2, machine=1, timeout=TIMEOUT, port=port,
+                   env=env)  # fmt: skip
+    a1 = job(data_dir, "--check", processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
+    results = [finish(p, timeout=3 * WITHIN + 60) for p in (a0, a1, stranger)]
+    assert all(left_running(p.pid) == [] for p in (a0, a1, stranger))
+    assert [r.returncode for r in results] == [0, 0, 1], [r.stderr for r in results]
+    lines = results[2].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: 127.0.0.1:{port} is another job's rendezvous"), lines
+    assert "--lr 0.5; this one --lr 0.4" in lines[0], lines
+    assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout, results[0].stdout
+    assert results[2].stdout == ""
+
+
+MPI_SECONDS = 120  # one mpirun job of 2 ranks; about 10 s on 2 cores
+
+
+@pytest.mark.timeout(MPI_SECONDS + 60)
+def test_mpirun_np_2_on_one_host_trains_as_one_group(data_dir, tmp_path):
+    """Open MPI's mpirun -np 2 (Debian's openmpi-bin): each rank trained alone. Now one group of 2, no MPI library
+    loaded, machine 0 on loopback."""
+    if not shutil.which("mpirun"):
+        pytest.skip("needs mpirun (Debian: apt-get install openmpi-bin)")
+    env = script_env(
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1"
+    )
+    argv = ["mpirun", "-np", "2", sys.executable, os.path.join(REPO, "convnet_distributed.py")]
+    argv += ["--data-dir", data_dir, "--batch-size", 64, "--master-port", free_port(), "--threads", 1]
+    argv += ["--log-interval", 1000, "--metrics-json", tmp_path / "m.json", "--timeout", 60]
+    proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
+    result = finish(proc, timeout=MPI_SECONDS)
+    assert result.returncode == 0, result.stderr
+    layout_line = next(line for line in result.stdout.splitlines() if line.startswith("World size"))
+    assert layout_line.startswith("World size 2 = 1 machine x 2 processes;"), layout_line
+    assert layout_line.endswith("(mpirun, Open MPI: 2 ranks)"), layout_line
+    m = read_json(tmp_path / "m.json")
+    assert m["world_size"] == 2 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
+    assert m["allreduce"] == "shared-memory"  # both ranks on this machine
+    assert result.stdout.count("Finished training in") == 1  # one log for the job, not one per rank
+    assert left_running(proc.pid) == []
