@@ -13,6 +13,9 @@ signal.SIGKILL (multiprocessing's POSIX Popen needs it; tests/test_portability.p
 
 import ast
 import os
+import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -139,9 +142,19 @@ def test_workers_stop_when_their_launcher_is_killed_where_the_parent_id_stays(da
     folder = tmp_path / "simulation"
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(SIMULATIONS["windows"])
-    proc = launch("convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--batch-size", 64,
-                  "--master-port", free_port(), "--epochs", 50, "--log-interval", 1,
-                  env=script_env(PYTHONPATH=str(folder)))  # fmt: skip
+    cmd = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir),
+           "--num-processes", "2", "--batch-size", "64", "--master-port", str(free_port()), "--epochs", "50",
+           "--log-interval", "1"]  # fmt: skip
+    # A background job's SIGINT is ignored, and with it torch's parent-death signal: only the watch is left.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(PYTHONPATH=str(folder)),
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     wait_for_line(proc, "epoch: 0 [3/")
     ranks = workers(proc)
     assert len(ranks) == 2
