@@ -293,9 +293,10 @@ def data_parallel(model, rank, world_size, args):
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
-    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on.
+    # other ranks once, not twice; over Gloo the first, small bucket travels while backward goes on. (torch
+    # before 2.4 takes no None for the default.)
     ddp_model = DistributedDataParallel(
-        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if shared_memory else None
+        model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if shared_memory else {})
     )
     if shared_memory:
         averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
