@@ -20,11 +20,13 @@ Under torchrun, which starts the processes itself (the script joins its group):
     torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
 """  # noqa: E501 (commands are one line each)
 
+import _thread
 import argparse
 import contextlib
 import ctypes
 import errno
 import gzip
+import io
 import ipaddress
 import json
 import logging
@@ -110,14 +112,17 @@ def raw_folder(args):
 
 
 def unpack(path):
-    """Unpack path.gz into path; a half-unpacked file never takes the real name."""
-    part = f"{path}.part{os.getpid()}"
+    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
+    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
+    part = None
     try:
-        with gzip.open(path + ".gz", "rb") as src, open(part, "wb") as dst:
+        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
+        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
             shutil.copyfileobj(src, dst)
+        os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
     except Exception as e:
-        if os.path.exists(part):
+        if part and os.path.exists(part):
             os.unlink(part)
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
@@ -294,9 +299,12 @@ def data_parallel(model, rank, world_size, args):
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
     # other ranks once, not twice; over Gloo the first, small bucket (fc2 and fc1) travels while the
-    # convolutions' backward goes on. PowerSGD needs one bucket too (see compress_gradients).
+    # convolutions' backward goes on. PowerSGD needs one bucket too (see compress_gradients). (torch before 2.4
+    # takes no None for the default cap.)
     one_bucket = shared_memory or args.compress == "powersgd"
-    ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=25 if one_bucket else None)
+    ddp_model = DistributedDataParallel(
+        model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if one_bucket else {})
+    )
     if shared_memory:
         averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
@@ -399,20 +407,13 @@ def save_checkpoint(model, optimizer, epoch, args, compression=None):
 
 
 def save0(path, write):
-    """Rank 0 writes path atomically (a temporary file in the same folder, then a rename):
-    a run killed mid-write leaves the previous file whole."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-", delete=False) as f:
-        try:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
+    """Rank 0 writes path whole, or not at all (write_atomically); where it cannot, every rank stops, rank 0 with
+    the one line that says why."""
+    rank = dist.get_rank()
+    error = [write_atomically(path, write) if rank == 0 else None]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        sys.exit(error[0] if rank == 0 else 1)
 
 
 def resume(model, optimizer, args, compression=None):
@@ -472,10 +473,11 @@ def report(metrics, args):
 
 def peak_memory_per_rank(device):
     """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
-    mine = torch.tensor([peak_memory_mib()], dtype=torch.float64, device=device)
+    peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
+    mine = torch.tensor([-1.0 if peak is None else peak], dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return [t.item() for t in everyone]
+    return [t.item() if t.item() >= 0 else None for t in everyone]
 
 
 def peak_memory_mib():
@@ -493,6 +495,7 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
+    before = file_version(args.checkpoint)  # the interrupt line tells whether this launch replaced it
     stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     check_gloo_socket_ifname()
     try:
@@ -513,7 +516,8 @@ def main(argv=None):
             run_workers(args, data if fork or shared else None, args.num_processes)
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
+        checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
         if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
             print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
         sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
@@ -1275,18 +1279,21 @@ class SharedMemoryAverager:
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind.
+        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind, even
+        # where a rank fails, times out or is stopped meanwhile (whichever rank gets out first removes it).
         path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
-        if rank == 0:
-            region = torch.from_file(path[0], shared=True, size=size)
-        dist.barrier()  # created: the others may map it
-        if rank != 0:
-            region = torch.from_file(path[0], shared=True, size=size)
-        dist.barrier()  # mapped by every rank: the name can go
-        if rank == 0:
-            os.unlink(path[0])
+        try:
+            if rank == 0:
+                region = torch.from_file(path[0], shared=True, size=size)
+            dist.barrier()  # created: the others may map it
+            if rank != 0:
+                region = torch.from_file(path[0], shared=True, size=size)
+            dist.barrier()  # mapped by every rank: the name can go
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path[0])
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
@@ -1648,13 +1655,17 @@ def let_stop_signals_through(mask):
 def stop_with_launcher():
     """A worker stops when its launcher is gone (SIGKILL, out of memory), never training on as an orphan. torch's
     spawn asks Linux for a SIGINT then (PR_SET_PDEATHSIG), which a process started with SIGINT ignored (a
-    background job, nohup) never sees, and other systems never send: a thread watching the parent works everywhere."""
-    launcher = mp.parent_process().pid
+    background job, nohup) never sees, and other systems never send: a thread watching the parent works everywhere.
+    Linux and macOS give an orphan another parent; Windows never does, but there the launcher's handle (the
+    sentinel multiprocessing keeps) says it ended."""
+    launcher = mp.parent_process()
 
     def watch():
-        while os.getppid() == launcher:
+        while os.getppid() == launcher.pid and launcher.is_alive():
             time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)  # the usual clean stop (the Terminated exception)
+        # The usual clean stop (the Terminated exception), raised in the main thread as SIGTERM would be: os.kill
+        # would end a Windows process outright.
+        _thread.interrupt_main(signal.SIGTERM)
         time.sleep(10)
         os._exit(143)  # still here: stuck in a call that never returns to Python
 
@@ -1675,6 +1686,80 @@ def stop_workers(processes):
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def write_atomically(path, write):
+    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
+    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
+    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
+    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
+    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
+    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
+    buffer, temporary = io.BytesIO(), None
+    write(buffer)
+    try:
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, plain_file_mode(path))
+        os.replace(temporary, path)
+        temporary = None
+        sync_folder(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        cause = e.strerror or str(e)
+        return (
+            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
+        )
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return None
+
+
+def plain_file_mode(path):
+    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0o022)  # the umask is read by setting it
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def sync_folder(folder):
+    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def file_version(path):
+    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
+    try:
+        found = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def checkpoint_note(path, before):
+    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
+    if path is None:
+        return ""
+    now = file_version(path)
+    if now is None:
+        return f"; no epoch completed, so nothing was saved to {path}"
+    if now == before:
+        return f"; no epoch completed since this launch: {path} is as it was before"
+    return f"; {path} holds the last complete epoch"
 
 
 def exit_at_once():

@@ -8,8 +8,10 @@ Fashion-MNIST, bfloat16 autocast, a checkpoint after every epoch that a rerun co
 """
 
 import argparse
+import contextlib
 import ctypes
 import gzip
+import io
 import json
 import os
 import shutil
@@ -73,14 +75,17 @@ def raw_folder(args):
 
 
 def unpack(path):
-    """Unpack path.gz into path; a half-unpacked file never takes the real name."""
-    part = f"{path}.part{os.getpid()}"
+    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
+    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
+    part = None
     try:
-        with gzip.open(path + ".gz", "rb") as src, open(part, "wb") as dst:
+        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
+        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
             shutil.copyfileobj(src, dst)
+        os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
     except Exception as e:
-        if os.path.exists(part):
+        if part and os.path.exists(part):
             os.unlink(part)
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
@@ -241,18 +246,10 @@ def save_checkpoint(model, optimizer, epoch, args):
 
 
 def save_atomically(path, write):
-    """Write path atomically (a temporary file in the same folder, then a rename):
-    a run killed mid-write leaves the previous file whole."""
-    folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-", delete=False) as f:
-        try:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
+    """Write path whole, or stop with one line saying why (write_atomically): the file there before stays whole."""
+    error = write_atomically(path, write)
+    if error:
+        sys.exit(error)
 
 
 def resume(model, optimizer, args):
@@ -314,6 +311,7 @@ def peak_memory_mib():
 
 def main(argv=None):
     args = parse_args(argv)
+    before = file_version(args.checkpoint)  # the interrupt line tells whether this launch replaced it
     stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -328,7 +326,7 @@ def main(argv=None):
         train(model, optimizer, data, args)
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        checkpoint = f"; {args.checkpoint} holds the last complete epoch" if args.checkpoint else ""
+        checkpoint = checkpoint_note(args.checkpoint, before)
         print(f"{how}{checkpoint}", file=sys.stderr)
         sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
 
@@ -503,6 +501,80 @@ def stop_on_signals(ctrl_c):
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
+
+
+def write_atomically(path, write):
+    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
+    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
+    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
+    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
+    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
+    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
+    buffer, temporary = io.BytesIO(), None
+    write(buffer)
+    try:
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, plain_file_mode(path))
+        os.replace(temporary, path)
+        temporary = None
+        sync_folder(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        cause = e.strerror or str(e)
+        return (
+            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
+        )
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return None
+
+
+def plain_file_mode(path):
+    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0o022)  # the umask is read by setting it
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def sync_folder(folder):
+    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def file_version(path):
+    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
+    try:
+        found = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def checkpoint_note(path, before):
+    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
+    if path is None:
+        return ""
+    now = file_version(path)
+    if now is None:
+        return f"; no epoch completed, so nothing was saved to {path}"
+    if now == before:
+        return f"; no epoch completed since this launch: {path} is as it was before"
+    return f"; {path} holds the last complete epoch"
 
 
 def exit_at_once():

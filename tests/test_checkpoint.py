@@ -89,14 +89,14 @@ def test_checkpoint_of_another_model_does_not_fit(data_dir, tmp_path):
 
 def test_atomic_save_leaves_the_previous_file_whole(tmp_path):
     path = tmp_path / "ck.pt"
-    convnet_distributed.save0(path, lambda f: f.write(b"old"))
+    assert convnet_distributed.write_atomically(path, lambda f: f.write(b"old")) is None
 
     def dies_halfway(f):
         f.write(b"half of the new")
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        convnet_distributed.save0(path, dies_halfway)
+        convnet_distributed.write_atomically(path, dies_halfway)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # no temporary file left behind
 

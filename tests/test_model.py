@@ -38,6 +38,11 @@ SAME_IN_ALL = [
     "plural",
     "Terminated",
     "stop_on_signals",
+    "write_atomically",
+    "plain_file_mode",
+    "sync_folder",
+    "file_version",
+    "checkpoint_note",
 ]
 SAME_IN_DISTRIBUTED = [
     "compression_words",
