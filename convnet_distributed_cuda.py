@@ -322,7 +322,7 @@ def worker(local_rank, args, data):
             f"or did not answer within --timeout {args.timeout:g} s"
         )
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def check_group(world_size, device, args):
@@ -344,8 +344,11 @@ def select_device(local_rank):
     torch.cuda.set_device(local_rank)
     # TF32 tensor cores for float32 matrix products and convolutions: about 10 bits of mantissa
     # where the gradient noise of a 64-image batch is far larger.
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    if hasattr(torch.backends.cudnn, "conv"):  # torch 2.9 and later
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return torch.device("cuda", local_rank)
 
 
@@ -1502,6 +1505,18 @@ def checkpoint_note(path, before):
     if now == before:
         return f"; no epoch completed since this launch: {path} is as it was before"
     return f"; {path} holds the last complete epoch"
+
+
+def leave_group():
+    """destroy_process_group(), the group's memory left to the process's exit: on torch 2.4, freeing a Gloo group
+    can deadlock in its destructor, joining a thread that waits for a lock (a run that printed its last line,
+    and never exits). Forked workers and torchrun's end in os._exit, which frees nothing; spawned ones free it
+    as their interpreter exits."""
+    GROUPS_LEFT.append(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+GROUPS_LEFT = []
 
 
 def exit_at_once():

@@ -45,6 +45,7 @@ SAME_IN_ALL = [
     "checkpoint_note",
 ]
 SAME_IN_DISTRIBUTED = [
+    "leave_group",
     "compression_words",
     "compress_gradients",
     "PowerSGD",
