@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import functools
 import gzip
 import io
 import ipaddress
@@ -1066,15 +1067,21 @@ def open_store(rank, world_size, args, deadline):
                 )
             time.sleep(0.5)
     try:
-        return dist.TCPStore(
+        listener = loopback_listener(args) if rank == 0 else None
+        store = functools.partial(
+            dist.TCPStore,
             args.master_addr,
             args.master_port,
             world_size,
             is_master=rank == 0,
             timeout=timedelta(seconds=args.timeout),
             wait_for_workers=False,
-            master_listen_fd=loopback_listener(args) if rank == 0 else None,
+            master_listen_fd=listener,
         )
+        try:
+            return store()
+        except NotImplementedError:  # torch 2.4's libuv server takes no listening socket; its older server does
+            return store(use_libuv=False)
     except (dist.DistError, OSError) as e:
         if rank == 0:
             sys.exit(
