@@ -169,7 +169,7 @@ def free_running_steps(rank, world_size, port, out, steps):
         # others read the average and run on into the next step first
         wait_for_all = convnet_distributed.SharedMemoryAverager.wait_for_all
         convnet_distributed.SharedMemoryAverager.wait_for_all = lambda self: (wait_for_all(self), time.sleep(0.03))
-    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches, 0, args)
     torch.save({"allreduce": allreduce, "history": history}, os.path.join(out, f"rank{rank}.pt"))

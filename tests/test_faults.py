@@ -370,21 +370,20 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path)
 
 def test_killed_while_writing_a_checkpoint_the_previous_one_still_loads(tmp_path):
     ck = tmp_path / "ck.pt"
-    convnet_distributed.save0(ck, lambda f: torch.save({"epoch": 3}, f))
+    assert convnet_distributed.write_atomically(ck, lambda f: torch.save({"epoch": 3}, f)) is None
     writer = subprocess.Popen(
         [
             sys.executable,
             "-c",
             f"""
-import sys, time
+import os, sys, time
 sys.path.insert(0, {REPO!r})
 import convnet_distributed
-def half_written(f):
-    f.write(b"x" * 100000)
-    f.flush()
+def stalled_flush(fd):  # the new file's bytes are in the folder, not yet renamed over the old one
     print("writing", flush=True)
     time.sleep(120)
-convnet_distributed.save0({str(ck)!r}, half_written)
+os.fsync = stalled_flush
+convnet_distributed.write_atomically({str(ck)!r}, lambda f: f.write(b"x" * 100000))
 """,
         ],
         stdout=subprocess.PIPE,
@@ -394,6 +393,7 @@ convnet_distributed.save0({str(ck)!r}, half_written)
     writer.kill()
     writer.wait(timeout=30)
     assert torch.load(ck, weights_only=True) == {"epoch": 3}
+    assert [p.stat().st_size for p in tmp_path.glob(".tmp-*")] == [100000]  # it was killed mid-write, not before
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):

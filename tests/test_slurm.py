@@ -459,8 +459,9 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     # Each node's launcher says what happened, in one line (exit status 143, which SLURM reports as the signal).
     stopped = [line for line in output.splitlines() if line.startswith("Terminated (SIGTERM)")]
     assert 1 <= len(stopped) <= 2, output
-    assert all(line == f"Terminated (SIGTERM): every process of this launch stopped; {ck} holds the last complete epoch"
-               for line in stopped), output  # fmt: skip
+    # Machine 0, where the checkpoint is written, says what it holds; the other machine only that it stopped.
+    plain = "Terminated (SIGTERM): every process of this launch stopped"
+    assert set(stopped) <= {plain, f"{plain}; {ck} holds the last complete epoch"}, output
     cluster.assert_no_strays()
     gone_in = time.monotonic() - cancelled_at
     print(f"cancelled job {job_id} ended {stopped_in:.1f} s after scancel, its last process within {gone_in:.1f} s")
