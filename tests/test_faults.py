@@ -318,6 +318,12 @@ def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path)
 def test_workers_stop_when_their_launcher_is_killed(data_dir):
     """SIGKILL (or the out-of-memory killer) gives the launcher no chance to stop its workers: they notice. Started
     as a script's background job, with SIGINT ignored, where torch's own parent-death signal (SIGINT) goes unheard."""
+    assert_workers_stop_when_their_launcher_is_killed(data_dir, script_env())
+
+
+def assert_workers_stop_when_their_launcher_is_killed(data_dir, env):
+    """A 2-process run, started as a background job (SIGINT ignored, and with it torch's parent-death signal):
+    SIGKILL its launcher mid-epoch, and every worker must stop within 20 s."""
     cmd = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir),
            "--num-processes", "2", "--batch-size", "64", "--master-port", str(free_port()), "--epochs", "50",
            "--log-interval", "1"]  # fmt: skip
@@ -326,7 +332,7 @@ def test_workers_stop_when_their_launcher_is_killed(data_dir):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=script_env(),
+        env=env,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )

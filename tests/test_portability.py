@@ -13,15 +13,11 @@ signal.SIGKILL (multiprocessing's POSIX Popen needs it; tests/test_portability.p
 
 import ast
 import os
-import signal
-import subprocess
-import sys
 
-import psutil
 import pytest
 
-from conftest import REPO, finish, free_port, kill_group, launch, read_json, script_env, wait_for_line
-from test_faults import workers
+from conftest import REPO, finish, free_port, launch, read_json, script_env
+from test_faults import assert_workers_stop_when_their_launcher_is_killed
 
 NO_DEV_SHM = """
 _statvfs, _isdir = getattr(os, "statvfs", None), os.path.isdir
@@ -146,28 +142,7 @@ def test_workers_stop_when_their_launcher_is_killed_where_the_parent_id_stays(da
     folder = tmp_path / "simulation"
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(SIMULATIONS["windows"])
-    cmd = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir),
-           "--num-processes", "2", "--batch-size", "64", "--master-port", str(free_port()), "--epochs", "50",
-           "--log-interval", "1"]  # fmt: skip
-    # A background job's SIGINT is ignored, and with it torch's parent-death signal: only the watch is left.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=script_env(PYTHONPATH=str(folder)),
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    wait_for_line(proc, "epoch: 0 [3/")
-    ranks = workers(proc)
-    assert len(ranks) == 2
-    proc.kill()
-    proc.wait(timeout=30)
-    gone, alive = psutil.wait_procs(ranks, timeout=20)
-    kill_group(proc)
-    proc.communicate()
-    assert alive == [], f"still training after their launcher died: {alive}"
+    assert_workers_stop_when_their_launcher_is_killed(data_dir, script_env(PYTHONPATH=str(folder)))
 
 
 # What Windows lacks, of the os, signal and socket modules (the Python docs' "Availability"), that a script
