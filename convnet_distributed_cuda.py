@@ -545,9 +545,12 @@ def spawned_worker(local_rank, args, data, held):
         let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
         worker(local_rank, args, data)
     except KeyboardInterrupt:
-        sys.exit(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
+        exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
     except Terminated:
-        sys.exit(143)
+        exit_at_once(143)
+    except SystemExit as e:
+        exit_at_once(e.code)
+    exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
 def placement(args, local_rank):
@@ -1526,14 +1529,22 @@ def leave_group():
 GROUPS_LEFT = []
 
 
-def exit_at_once():
-    """Everything is written and every worker has ended: leave without tearing the interpreter down, which
-    pages torch's libraries back in (the CUDA build's above all) only to unload them, for about a second."""
+def exit_at_once(status=0):
+    """Leave without tearing the interpreter down, as sys.exit(status) would end (a message goes to stderr, and
+    exits 1). Tearing down pages torch's libraries back in (the CUDA build's above all) only to unload them, for
+    about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
+    ("terminate called without an active exception") as the interpreter goes."""
+    if status is not None and not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status or 0)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # every failure's one line, and every signal's exit status
+        exit_at_once(e.code)
     exit_at_once()

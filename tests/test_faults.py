@@ -298,6 +298,40 @@ def test_a_signal_as_spawned_workers_start_stops_the_run_cleanly(data_dir, tmp_p
     assert seconds < 30 and left_running(proc.pid) == []
 
 
+TEARDOWN_WATCH = """
+import atexit, os, sys
+if {spawn}:
+    import torch.multiprocessing  # imported under Linux's sys.platform, as it is there
+    sys.platform = "darwin"  # where the scripts spawn their workers, as the GPU script does everywhere
+if "-c" not in sys.orig_argv or "spawn_main" in " ".join(sys.orig_argv):  # the script, or a worker it spawned
+    atexit.register(lambda: open(os.environ["TORN_DOWN"], "a").write(f"{{os.getpid()}}\\n"))
+"""
+
+
+@pytest.mark.parametrize(
+    "processes,spawn,outcome", [(1, False, "failed"), (2, False, "failed"), (2, True, "failed"), (2, True, "trained")]
+)
+def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, processes, spawn, outcome):
+    """A process that keeps its Gloo group to the exit (leave_group) and then tears its interpreter down frees the
+    group's threads on the way: about 1 run in 20 then ended in "terminate called without an active exception"
+    (SIGABRT) instead of its own status. That was the launcher's sys.exit where it is the only worker (a
+    failure of a 1-process run), and every spawned worker. An atexit hook, which runs only in a teardown, names
+    the processes that went that way."""
+    (tmp_path / "sitecustomize.py").write_text(TEARDOWN_WATCH.format(spawn=spawn))
+    torn_down = tmp_path / "torn_down"
+    ck = tmp_path / "ck.pt"
+    if outcome == "failed":
+        ck.write_bytes(b"")  # --resume stops every rank with one line
+    env = script_env(PYTHONPATH=str(tmp_path), TORN_DOWN=str(torn_down))
+    result = finish(job(data_dir, "--checkpoint", ck, "--resume", processes=processes, env=env), 120)
+    if outcome == "failed":
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == f"error: --resume: cannot read {ck} (EOFError): truncated or not a checkpoint\n"
+    else:
+        assert result.returncode == 0 and ck.exists(), result.stderr
+    assert not torn_down.exists(), f"processes torn down: {torn_down.read_text().split()}"
+
+
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
