@@ -7,16 +7,17 @@ on one host, averaging over Gloo (--allreduce gloo). Every process gets the same
 between the 2), the same batch (--batch-size per process) and the same data.
 
 Each configuration runs --repeats times, interleaved (every configuration once, then every one again), in
-reverse order every other repeat; a throughput ratio is taken within each repeat, against that repeat's
-reference, and the median of the ratios is judged. Beside it stands the range over the repeats: for the
-median, an interval of 1 - 2 / 2**repeats coverage (75% for 3 repeats, 94% for 5). Then, apart, one run of
---accuracy-epochs epochs per --compress choice on one host over Gloo (the same arithmetic as across two hosts),
-for the accuracy after several epochs.
+reverse order every other repeat, with a reference run before and after each: a throughput ratio is a run's
+training loop against the mean of the two references beside it (a vCPU's speed drifts by 10-20% over minutes,
+more than the targets' margins), and the median of the ratios is judged. Beside it stands the range over the
+repeats: for the median, an interval of 1 - 2 / 2**repeats coverage (75% for 3 repeats, 94% for 5). Then,
+apart, one run of --accuracy-epochs epochs per --compress choice on one host over Gloo (the same arithmetic as
+across two hosts), for the accuracy after several epochs.
 
 Writes to --out-dir: network.md (the tables, each target marked), network.png (throughput against link speed,
 one line per --compress choice, the accuracy in the legend; needs matplotlib) and runs.json (every run).
 
-Needs root (ip netns, tc). Run from the repository root, on a quiet machine (about 14 minutes on 2 cores):
+Needs root (ip netns, tc). Run from the repository root, on a quiet machine (about 19 minutes on 2 cores):
     mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
     python bench/network.py --dataset fashion-mnist --data-dir data
 """
@@ -177,10 +178,13 @@ def describe(config):
 def measure(hosts, args, threads):
     timed = [(None, "none", args.epochs)] + [(link, c, args.epochs) for link in args.links for c in args.compress]
     records = []
+    reference, others = timed[0], timed[1:]
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):
-            for config in timed if repeat % 2 == 0 else timed[::-1]:
+            order = others if repeat % 2 == 0 else others[::-1]
+            for config in [reference] + [c for other in order for c in (other, reference)]:
                 records.append(run(hosts, config, args, threads, repeat, folder))
+                records[-1]["sequence"] = len(records) - 1
                 m = records[-1]["metrics"]
                 print(
                     f"repeat {repeat}: {describe(config)}: {m['train_seconds']:.2f} s, {100 * m['test_accuracy']:.2f}%"
@@ -197,16 +201,21 @@ def measure(hosts, args, threads):
 
 
 def ratios(records, link, compress, epochs):
-    """Per repeat: the reference's training loop over this configuration's (its throughput against one host)."""
-    by_repeat = {}
-    for r in records:
-        if r["epochs"] == epochs and r["link_mbit"] in (None, link):
-            by_repeat.setdefault(r["repeat"], {})[(r["link_mbit"], r["compress"])] = r["metrics"]["train_seconds"]
-    return [
-        runs[(None, "none")] / runs[(link, compress)]
-        for runs in by_repeat.values()
-        if (None, "none") in runs and (link, compress) in runs
-    ]
+    """Per run of this configuration: the training loop of the references just before and after it (their mean)
+    over its own, its throughput against one host."""
+    timed = sorted((r for r in records if r["epochs"] == epochs and "sequence" in r), key=lambda r: r["sequence"])
+    found = []
+    for i, r in enumerate(timed):
+        if (r["link_mbit"], r["compress"]) != (link, compress):
+            continue
+        beside = [
+            next((s for s in side if s["link_mbit"] is None and s["compress"] == "none"), None)
+            for side in (reversed(timed[:i]), timed[i + 1 :])
+        ]
+        seconds = [s["metrics"]["train_seconds"] for s in beside if s is not None]
+        if seconds:
+            found.append(statistics.mean(seconds) / r["metrics"]["train_seconds"])
+    return found
 
 
 def accuracy(records, epochs, compress, link=None):
@@ -241,8 +250,8 @@ def report(records, args, facts):
         f"{facts['date']}, commit {facts['commit']}; {facts['cpu']}, {facts['usable_cores']} usable cores; "
         f"Python {facts['python']}, torch {facts['torch']}. {facts['dataset']}, {args.epochs} epoch(s), "
         f"2 processes of {facts['threads']} thread(s), --batch-size {args.batch_size} each; "
-        f"{args.repeats} interleaved repeat(s). Throughput is the reference's training loop over the run's, within "
-        f"each repeat: median (range over the repeats{interval}).",
+        f"{args.repeats} interleaved repeat(s). Throughput is the training loop of the references run just before and "
+        f"after a run (their mean) over the run's: median (range over the repeats{interval}).",
         "",
         "| link | --compress | training loop (s) | throughput vs one host | test accuracy |",
         "|---|---|---:|---:|---:|",

@@ -196,8 +196,9 @@ def test_check_on_a_slow_link_names_the_flag(slow_network, data_dir, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_network_benchmark_runs_the_reference_and_each_choice_interleaved(data_dir, tmp_path):
-    """bench/network.py, small: the one-host reference and 2 hosts at 100 Mbit/s with and without PowerSGD, one
-    repeat, on the generated data; it writes its table, plot and runs, and leaves no namespace behind."""
+    """bench/network.py, small: 2 hosts at 100 Mbit/s with and without PowerSGD, one repeat, the one-host
+    reference before and after each, on the generated data; it writes its table, plot and runs, and leaves no
+    namespace behind."""
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
         pytest.skip("needs root, ip and tc to make the two hosts")
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -213,12 +214,36 @@ def test_network_benchmark_runs_the_reference_and_each_choice_interleaved(data_d
     assert "--compress powersgd: test accuracy after 1 epoch(s) within 0.5 points of none's" in table
     assert (out / "network.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = json.loads((out / "runs.json").read_text())["runs"]
-    assert [(r["link_mbit"], r["compress"]) for r in runs] == [(None, "none"), (100, "none"), (100, "powersgd")]
+    reference = (None, "none")
+    assert [(r["link_mbit"], r["compress"]) for r in runs] == [
+        reference,
+        (100, "none"),
+        reference,
+        (100, "powersgd"),
+        reference,
+    ]
     for r in runs:
         m = r["metrics"]
         assert m["world_size"] == 2 and m["allreduce"] == "gloo" and m["compress"] == r["compress"]
         assert m["test_accuracy"] > 0.8 and m["train_seconds"] > 0
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_network_benchmark_takes_each_ratio_against_the_references_beside_the_run():
+    """The machine's speed drifts: a run is measured against the references just before and after it (their
+    mean), not against one reference per repeat, which may have run minutes earlier at another speed."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import network
+
+    def record(sequence, link, compress, seconds):
+        metrics = {"train_seconds": seconds}
+        return {"sequence": sequence, "link_mbit": link, "compress": compress, "epochs": 1, "metrics": metrics}
+
+    # The machine slows from 10 s to 20 s a reference: the run between them took 15 s, as fast as one host.
+    records = [record(0, None, "none", 10.0), record(1, 100, "powersgd", 15.0), record(2, None, "none", 20.0)]
+    records += [record(3, 100, "none", 40.0), record(4, None, "none", 20.0)]
+    assert network.ratios(records, 100, "powersgd", 1) == [pytest.approx(1.0)]
+    assert network.ratios(records, 100, "none", 1) == [pytest.approx(0.5)]
 
 
 def test_network_benchmark_without_root_says_so_in_one_line(monkeypatch, tmp_path):
