@@ -544,6 +544,54 @@ def test_elastic_torchrun_carries_on_without_a_node_that_died(network, data_dir,
     assert_namespaces_empty(network)
 
 
+GROW_EPOCHS = 40  # enough that node1 joins while node0 is still training: about 1 s an epoch alone
+
+
+@pytest.mark.timeout(ELASTIC_SECONDS + 60)
+def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
+    """torchrun --nnodes 1:2 on node0 alone trains in a group of one; node1 starts after the first checkpoint, and
+    node0's agent restarts its worker into a group of two, which resumes from the last complete epoch and finishes
+    together. A membership change keeps torchrun's restart count, so the group of two must not meet the group of
+    one's keys in the store."""
+    endpoint, job, ck = f"node0:{random_port()}", secrets.token_hex(4), tmp_path / "ck.pt"
+
+    def argv(i):
+        return [
+            *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", 1],
+            *["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", 3],
+            *["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", 0.5],
+            *[SCRIPT, *common_args(data_dir, timeout=30), "--epochs", GROW_EPOCHS, "--checkpoint", ck, "--resume"],
+            *["--metrics-json", tmp_path / "m.json", "--threads", 1],
+        ]
+
+    # torch's agents share one TCP store and publish machine 0's address only at their first rendezvous: a node
+    # joining later waits for it forever (torch 2.14). The README tells users to set this for a group that grows.
+    env = {**env_without_interface(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    node0 = Machine("torchrun0", network.ns_a, argv(0), env, tmp_path, "node0")
+    deadline = time.monotonic() + ELASTIC_SECONDS
+    while not ck.exists() and time.monotonic() < deadline and node0.proc.poll() is None:
+        time.sleep(0.1)
+    assert ck.exists(), describe([node0.result()])
+    node1 = Machine("torchrun1", network.ns_b, argv(1), env, tmp_path, "node1")
+    joined_at = torch.load(ck, map_location="cpu", weights_only=True)["epoch"]
+    first, second = finish_all([node0, node1], max(10, deadline - time.monotonic()))
+    assert (first.returncode, second.returncode) == (0, 0), describe([first, second])
+    lines = first.stdout.splitlines()
+    alone = [n for n, line in enumerate(lines) if line.startswith("World size 1 = 1 machine x 1 process;")]
+    together = [n for n, line in enumerate(lines) if line.startswith("World size 2 = 2 machines x 1 process;")]
+    assert alone and together and alone[0] < together[-1], describe([first, second])
+    assert lines[together[-1]].endswith("(torchrun)"), describe([first, second])  # grown, not restarted after a failure
+    assert "error" not in first.stderr + second.stderr, describe([first, second])
+    resumed = [line for line in lines[alone[0] : together[-1]] if line.startswith(f"Resuming from {ck}: epoch ")]
+    assert resumed, describe([first, second])
+    m = read_json(tmp_path / "m.json")
+    assert m["world_size"] == 2 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8, m
+    assert m["history"][-1]["epoch"] == GROW_EPOCHS - 1
+    assert joined_at < GROW_EPOCHS - 1, f"node0 had finished epoch {joined_at} when node1 started"
+    assert torch.load(ck, map_location="cpu", weights_only=True)["epoch"] == GROW_EPOCHS - 1
+    assert_namespaces_empty(network)
+
+
 COPIED_SECONDS = 40  # start-up and the roll call; well under the --timeout of 120 the launches are given
 
 
