@@ -107,8 +107,11 @@ import torch.distributed as dist
 import convnet_distributed_cuda as script
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-script.save0(sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 MB of a 3 MB disk
-script.save0(sys.argv[1], lambda f: f.write(b"second" * 400_000))  # cannot stand beside it
+try:
+    script.save0(sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 MB of a 3 MB disk
+    script.save0(sys.argv[1], lambda f: f.write(b"second" * 400_000))  # cannot stand beside it
+except SystemExit as e:  # leave as the script does: a teardown with the group alive can abort
+    script.exit_at_once(e.code)
 """
 
 

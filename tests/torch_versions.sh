@@ -19,4 +19,5 @@ python=${1:-python}
   "tests/test_cuda_script.py::test_cuda_script_training_runs_on_cpu_through_its_own_functions" \
   "tests/test_faults.py::test_sigterm_stops_every_process_with_status_143_and_one_line" \
   "tests/test_faults.py::test_a_signal_as_spawned_workers_start_stops_the_run_cleanly" \
-  "tests/test_faults.py::test_workers_stop_when_their_launcher_is_killed"
+  "tests/test_faults.py::test_workers_stop_when_their_launcher_is_killed" \
+  "tests/test_faults.py::test_no_process_of_a_run_tears_its_interpreter_down"
