@@ -1775,8 +1775,7 @@ def checkpoint_note(path, before):
 def leave_group():
     """destroy_process_group(), the group's memory left to the process's exit: on torch 2.4, freeing a Gloo group
     can deadlock in its destructor, joining a thread that waits for a lock (a run that printed its last line,
-    and never exits). Forked workers and torchrun's end in os._exit, which frees nothing; spawned ones free it
-    as their interpreter exits."""
+    and never exits). Every process then ends in os._exit (exit_at_once), which frees nothing."""
     GROUPS_LEFT.append(dist.group.WORLD)
     dist.destroy_process_group()
 
