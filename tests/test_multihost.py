@@ -617,3 +617,56 @@ def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, d
         assert "give each machine its own --machine-id, 0 to 1" in lines[0]
     assert all(r.seconds < COPIED_SECONDS for r in results)
     assert_namespaces_empty(network)
+
+
+MPI_SECONDS = 120  # one mpirun job of 4 ranks on two hosts; about 20 s on 2 cores
+
+
+@pytest.mark.timeout(2 * MPI_SECONDS + 60)
+def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
+    """The README's mpirun line across machines, -H node0:2,node1:2: Open MPI starts node1's daemon through its rsh
+    agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's address every
+    rank stops with one line and nothing trains; with -x MASTER_ADDR=node0 the 4 ranks are one group."""
+    if not shutil.which("mpirun"):
+        pytest.skip("needs mpirun (Debian: apt-get install openmpi-bin)")
+    agent = tmp_path / "agent.sh"
+    agent.write_text(
+        "#!/bin/sh\n"
+        "# Open MPI's rsh agent, called as: agent HOST COMMAND...; the host is a namespace with its own name.\n"
+        f'case "$1" in node0) ns={network.ns_a};; node1) ns={network.ns_b};; *) exit 1;; esac\n'
+        'host="$1"; shift\n'
+        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $host; $*"\n'
+    )
+    agent.chmod(0o755)
+    env = script_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_plm_rsh_agent=str(agent))
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    port = random_port()
+
+    def mpirun(label, *exports):
+        argv = ["mpirun", "-np", 4, "-H", "node0:2,node1:2", *exports, "-x", f"MASTER_PORT={port}"]
+        argv += [sys.executable, SCRIPT, *common_args(data_dir), "--metrics-json", tmp_path / f"{label}.json"]
+        return finish_all([Machine(label, network.ns_a, argv, env, tmp_path, "node0")], MPI_SECONDS)[0]
+
+    unset = mpirun("unset")
+    said = [line for line in unset.stderr.splitlines() if "error" in line]
+    # Each rank says it once; mpirun may stop the slower ranks first, and adds its own banner.
+    assert unset.returncode == 2 and 1 <= len(said) <= 4, describe([unset])
+    assert set(said) == {
+        "convnet_distributed.py: error: Open MPI runs this job on 2 machines: give machine 0's address as "
+        "--master-addr or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0) (see --help)"
+    }, describe([unset])
+    assert not (tmp_path / "unset.json").exists() and "epoch: " not in unset.stdout
+    assert_namespaces_empty(network)
+
+    given = mpirun("given", "-x", "MASTER_ADDR=node0")
+    assert given.returncode == 0, describe([given])
+    lines = given.stdout.splitlines()
+    layout = next(line for line in lines if line.startswith("World size"))
+    assert layout.startswith("World size 4 = 2 machines x 2 processes;"), layout
+    assert layout.endswith("(mpirun, Open MPI: 4 ranks)"), layout
+    for line in machine_lines(network):
+        assert line in lines, describe([given])
+    assert given.stdout.count("Finished training in") == 1  # rank 0 alone reports
+    m = check_metrics(tmp_path / "given.json", 4)
+    assert m["allreduce"] == "gloo"  # across machines
+    assert_namespaces_empty(network)
