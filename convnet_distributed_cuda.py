@@ -280,6 +280,7 @@ def evaluate(model, images, labels, rank, world_size, args):
 def join_group(rank, world_size, args):
     """Join the job's process group over NCCL: every process of every machine meets at machine 0."""
     store = rendezvous(rank, world_size, args)
+    one_gpu_each(store, rank, world_size, args)
     keep_nccl_on_loopback(world_size, args)
     try:
         dist.init_process_group(
@@ -341,7 +342,9 @@ def check_group(world_size, device, args):
 
 
 def select_device(local_rank):
-    """This process's GPU, made current before the group is made: NCCL binds each rank to it."""
+    """This process's GPU, made current before the group is made: NCCL binds each rank to it. A launcher that
+    gives each process a GPU of its own (srun --gpus-per-task=1) leaves it one to see, cuda:0."""
+    local_rank %= torch.cuda.device_count()  # more processes than GPUs: two share one, which one_gpu_each names
     torch.cuda.set_device(local_rank)
     # TF32 tensor cores for float32 matrix products and convolutions: about 10 bits of mantissa
     # where the gradient noise of a 64-image batch is far larger.
@@ -1095,6 +1098,33 @@ def loopback_listener(args):
 def is_loopback(address):
     ip = ipaddress.ip_address(address)
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def one_gpu_each(store, rank, world_size, args):
+    """NCCL needs a GPU of its own for each process: two on one GPU fail in NCCL ("Duplicate GPU detected"), which
+    came out as a lost contact. Each rank says which GPU it took, and rank 0 names two that share one, before NCCL
+    starts; every process then stops with that line. RANK and WORLD_SIZE without LOCAL_RANK make each process a
+    machine of its own, on cuda:0: several of them on one host share it."""
+    index = torch.cuda.current_device()
+    # The GPU's UUID (torch 2.5 and later) tells two GPUs apart where each process sees its own as cuda:0.
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
+    store.set(f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index}))
+    if rank == 0:
+        keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
+        store.wait(keys)  # every rank is past the roll call: at once
+        for other in (json.loads(store.get(key)) for key in keys):
+            first = seen.setdefault((other["host"], other["gpu"]), other)
+            if other["gpu"] is not None and first is not other:
+                line = (
+                    f"error: ranks {first['rank']} and {other['rank']} share one GPU (cuda:{first['index']} on "
+                    f"{first['host']}): NCCL needs one GPU per process: start at most one process per GPU, and "
+                    "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+                )
+                break
+        store.set("gpus", line)
+    line = store.get("gpus").decode()
+    if line:
+        stop_job(None, rank, args, line)
 
 
 def keep_nccl_on_loopback(world_size, args):

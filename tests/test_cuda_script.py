@@ -2,13 +2,18 @@
 and its GPU runs, which only a machine with a GPU can do."""
 
 import os
+import subprocess
+import sys
+import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import convnet_distributed_cuda as cuda_script
-from conftest import N_TEST, free_port, read_json, run_script, spawn_bounded, tensors
+from conftest import N_TEST, REPO, finish, free_port, read_json, run_script, script_env, spawn_bounded, tensors
+from test_faults import left_running
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
 
@@ -24,7 +29,14 @@ def worker_on_cpu(local_rank, args):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dist, "init_process_group", on_gloo)
         patch.setattr(cuda_script, "select_device", lambda local_rank: torch.device("cpu"))
+        gpu_of_its_own(patch, local_rank)
         cuda_script.worker(local_rank, args, tensors())
+
+
+def gpu_of_its_own(patch, index):
+    """What one_gpu_each asks of the GPU this process took: cuda:index, a GPU no other process has."""
+    patch.setattr(torch.cuda, "current_device", lambda: index)
+    patch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=f"GPU-{i}"))
 
 
 def spawned_worker_on_cpu(local_rank, args):
@@ -84,6 +96,7 @@ def nccl_interface_at_init(monkeypatch, args, world_size):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    gpu_of_its_own(monkeypatch, 0)
     with pytest.raises(SystemExit):  # the join fails as NCCL's would, in one line
         cuda_script.join_group(0, world_size, args)
     return seen[0]
@@ -102,6 +115,81 @@ def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
     two_machines = cuda_script.parse_args(["--num-machines", "2", "--num-gpu-processes", "1"])
     cuda_script.keep_nccl_on_loopback(2, two_machines)
     assert "NCCL_SOCKET_IFNAME" not in os.environ  # NCCL's own choice, between machines
+
+
+# A launch of the GPU script on a host with two GPUs, faked: every process sees the GPU whose UUID it is given as
+# cuda:0 (device_count 2); NCCL becomes Gloo and the GPU the CPU, past select_device.
+FAKE_GPUS = """
+import sys, types
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+uuid = sys.argv[2]
+torch.cuda.is_available, torch.cuda.device_count = lambda: True, lambda: 2
+torch.cuda.set_device, torch.cuda.current_device = lambda index: None, lambda: 0
+torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=uuid)
+import convnet_distributed_cuda as script
+init_process_group, select_device = dist.init_process_group, script.select_device
+dist.init_process_group = lambda backend, **kwargs: init_process_group("gloo", **kwargs)
+script.select_device = lambda local_rank: (select_device(local_rank), torch.device("cpu"))[1]
+sys.argv = ["convnet_distributed_cuda.py", *sys.argv[3:]]
+try:
+    script.main()
+except SystemExit as e:
+    script.exit_at_once(e.code)
+script.exit_at_once()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("uuids", [("GPU-a", "GPU-a"), ("GPU-a", "GPU-b")])
+def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
+    """RANK and WORLD_SIZE without LOCAL_RANK (each process a machine of its own, on cuda:0), two processes on one
+    host: both took the same GPU, and NCCL's "Duplicate GPU detected" came out as "lost contact with the job". Now
+    each says which ranks share which GPU, within seconds. Two processes each bound to a GPU of its own, which each
+    sees as cuda:0 (a container's, srun --gpus-per-task=1), are told apart by the UUID, and form their group."""
+    harness, port = tmp_path / "fake_gpus.py", free_port()
+    harness.write_text(FAKE_GPUS)
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, harness, REPO, uuid, "--check", "--timeout", "60"],
+            env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            start_new_session=True,
+        )  # fmt: skip
+        for rank, uuid in enumerate(uuids)
+    ]
+    results = [finish(p, timeout=90) for p in procs]
+    seconds = time.monotonic() - start
+    assert all(left_running(p.pid) == [] for p in procs)
+    if uuids[0] != uuids[1]:
+        assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+        assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout
+        return
+    host = os.uname().nodename
+    for r in results:
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.splitlines() == [
+            f"error: ranks 0 and 1 share one GPU (cuda:0 on {host}): NCCL needs one GPU per process: start at "
+            "most one process per GPU, and give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+        ], r.stderr
+    assert seconds < 30, seconds
+
+
+def test_a_process_bound_to_one_gpu_takes_the_one_it_sees(monkeypatch):
+    """srun --gpus-per-task=1 shows each task one GPU, cuda:0, whatever its SLURM_LOCALID: set_device(1) failed."""
+    chosen = []
+    if hasattr(torch.backends.cudnn, "conv"):  # select_device turns TF32 on (torch 2.9 and later): put back after
+        for switches in (torch.backends.cuda.matmul, torch.backends.cudnn.conv):
+            monkeypatch.setattr(switches, "fp32_precision", switches.fp32_precision)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert cuda_script.select_device(1) == torch.device("cuda", 0) and chosen == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert cuda_script.select_device(2) == torch.device("cuda", 2) and chosen == [0, 2]
 
 
 @needs_gpu
