@@ -1106,12 +1106,12 @@ def one_gpu_each(store, rank, world_size, args):
     starts; every process then stops with that line. RANK and WORLD_SIZE without LOCAL_RANK make each process a
     machine of its own, on cuda:0: several of them on one host share it."""
     index = torch.cuda.current_device()
-    # The GPU's UUID (torch 2.5 and later) tells two GPUs apart where each process sees its own as cuda:0.
+    # The GPU's UUID tells two GPUs apart where each process sees its own as cuda:0; torch 2.4 has none: no check.
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
     store.set(f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index}))
     if rank == 0:
         keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
-        store.wait(keys)  # every rank is past the roll call: at once
+        store.wait(keys)  # every rank has joined (the roll call, or torchrun's rendezvous): at once
         for other in (json.loads(store.get(key)) for key in keys):
             first = seen.setdefault((other["host"], other["gpu"]), other)
             if other["gpu"] is not None and first is not other:
