@@ -159,7 +159,7 @@ def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
             text=True,
             cwd=tmp_path,
             start_new_session=True,
-        )  # fmt: skip
+        )
         for rank, uuid in enumerate(uuids)
     ]
     results = [finish(p, timeout=90) for p in procs]
