@@ -27,6 +27,7 @@ import ctypes
 import errno
 import functools
 import gzip
+import hashlib
 import io
 import ipaddress
 import json
@@ -374,9 +375,10 @@ def select_device(local_rank):
 
 def layout_line(world_size, args, averaging):
     """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
-    processes = placement(args, 0)[2]
+    sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
+    each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else f"({' + '.join(map(str, sizes))} processes)"
     return (
-        f"World size {world_size} = {plural(world_size // processes, 'machine')} x {plural(processes, 'process')}; "
+        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
         f"{plural(torch.get_num_threads(), 'thread')} per process; gradients averaged {averaging}"
         + (f" ({args.launch_note})" if args.launch_note else "")
@@ -587,16 +589,21 @@ def parse_args(argv=None):
     fill_layout(parser, args)
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint PATH")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            parser.error(f"{flag}: cannot write to folder {folder}")
+    # Rank 0 writes the job's files, as its own command says (roll_call): only its machine needs the flags, and a
+    # folder to write to; another machine's are not used.
+    if (args.rank == 0) if args.rank is not None else args.machine_id == 0:
+        if args.resume and not args.checkpoint:
+            parser.error("--resume needs --checkpoint PATH")
+        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+                parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
         args.threads = default_threads(placement(args, 0)[2])
+    # Processes on each machine: the flags say so; under a launcher the roll call counts them.
+    args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
     return args
 
 
@@ -736,12 +743,13 @@ def fill_layout(parser, args):
         launcher, said = launcher_layout()
     except ValueError as e:
         parser.error(str(e))
-    master = {
-        "master_addr": host(getenv("MASTER_ADDR", "")) or said.get("master_addr") or None,
-        "master_port": getenv("MASTER_PORT") or said.get("master_port"),
-    }
-    decided = dict(master) if launcher else {}  # without a launcher, MASTER_ADDR and MASTER_PORT are defaults
+    env = {"master_addr": host(getenv("MASTER_ADDR", "")) or None, "master_port": getenv("MASTER_PORT")}
+    # A flag must agree with MASTER_ADDR and MASTER_PORT where the launcher set them (torchrun): its store is there.
+    # Elsewhere they are defaults, and so is what the launcher's own variables suggest (srun's first node).
+    decided = dict(env) if said.get("sets_master") else {}
+    master = {name: value or said.get(name) or None for name, value in env.items()}
     args.launcher, args.rank, args.local_rank, args.launch_note = launcher, None, 0, said.get("note")
+    args.by_host = said.get("by_host", False)  # MPI: which ranks share a machine, the roll call finds by host
     # What the processes of this launch share, and no other launch: this launching process, here and now.
     args.launch_id = said.get("launch_id") if launcher else f"{socket.gethostname()}/{os.getpid()}/{LAUNCH_TIME}"
     if launcher is not None:
@@ -833,18 +841,20 @@ def getenv(name, default=None):
 # that matches wins: torchrun and mpirun run inside SLURM jobs, whose variables they pass on), and the variables that
 # give each process its rank, the world size, its local rank, the processes on its machine (local_size), the
 # machine's index and the number of machines. A variable not named is not said: local rank 0 of 1, machine rank //
-# local size. master_addr and master_port give machine 0's where MASTER_ADDR and MASTER_PORT are unset ("": none,
-# which a job across machines must be given); launch names what all processes of one launch share.
+# local size; without a machine variable (MPI) the roll call finds the machines by host. master_addr and master_port
+# give machine 0's where neither flags nor MASTER_ADDR and MASTER_PORT do ("": none, which a job across machines must
+# be given); sets_master: the launcher itself sets MASTER_ADDR and MASTER_PORT, and a flag must agree with them.
+# launch names what all processes of one launch share.
 LAUNCHERS = {
     "torchrun": {
         "marked_by": ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "rank": "RANK", "world_size": "WORLD_SIZE",
         "local_rank": "LOCAL_RANK", "local_size": "LOCAL_WORLD_SIZE", "machine": "GROUP_RANK",
-        "launch": ("TORCHELASTIC_RUN_ID",), "fix": "give torchrun the same",
+        "launch": ("TORCHELASTIC_RUN_ID",), "sets_master": True, "fix": "give torchrun the same",
     },
     "Open MPI": {
         "marked_by": ("OMPI_COMM_WORLD_RANK",), "rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "launch": ("OMPI_MCA_orte_hnp_uri",), "master_addr": "", "fix": "give mpirun the same",
+        "launch": ("PMIX_NAMESPACE",), "master_addr": "", "fix": "give mpirun the same",  # Open MPI 4 and 5
     },
     "MPICH": {  # and Intel MPI: both launch with Hydra
         "marked_by": ("PMI_RANK", "MPI_LOCALRANKID"), "rank": "PMI_RANK", "world_size": "PMI_SIZE",
@@ -861,12 +871,12 @@ LAUNCHERS = {
         "marked_by": ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"), "rank": "SLURM_PROCID",
         "world_size": "SLURM_STEP_NUM_TASKS", "local_rank": "SLURM_LOCALID", "local_size": "SLURM_STEP_TASKS_PER_NODE",
         "machine": "SLURM_NODEID", "machines": "SLURM_STEP_NUM_NODES", "launch": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
-        "master_addr": "SLURM_JOB_NODELIST", "master_port": "SLURM_JOB_ID", "fix": "give srun the same",
+        "master_addr": "SLURM_STEP_NODELIST", "master_port": "SLURM_JOB_ID", "fix": "give srun the same",
     },
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
     "RANK and WORLD_SIZE": {
         "marked_by": ("RANK", "WORLD_SIZE"), "rank": "RANK", "world_size": "WORLD_SIZE", "machine": "RANK",
-        "machines": "WORLD_SIZE", "fix": "unset RANK and WORLD_SIZE",
+        "machines": "WORLD_SIZE", "sets_master": True, "fix": "unset RANK and WORLD_SIZE",
     },
 }  # fmt: skip
 
@@ -893,9 +903,12 @@ def launcher_layout():
     machines = number("machines", -(-world_size // local_size))
     own_launcher = name == "SLURM" and world_size == machines
     master = {"master_addr": says.get("master_addr"), "master_port": None}
-    if name == "SLURM":  # the first node of the job is machine 0; a port of this job's, so that jobs may share a node
-        master = {"master_addr": expand_hosts(getenv(says["master_addr"], "localhost"))[0],
-                  "master_port": 15000 + number("master_port", 0) % 10000}  # fmt: skip
+    if name == "SLURM":  # the step's first node is machine 0: steps of one job run side by side on other nodes
+        nodes = getenv(says["master_addr"]) or getenv("SLURM_JOB_NODELIST", "localhost")
+        # A port of this step's: jobs share nodes, and one job's steps run at once (job ids a few apart never collide)
+        step = int(getenv("SLURM_STEP_ID", "0")) if getenv("SLURM_STEP_ID", "0").isdigit() else 0
+        master = {"master_addr": expand_hosts(nodes)[0],
+                  "master_port": 15000 + (number("master_port", 0) * 97 + step) % 17000}  # fmt: skip
     restart = int(getenv("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     notes = {
         "torchrun": f"torchrun, restart {restart}" if restart else "torchrun",
@@ -909,6 +922,7 @@ def launcher_layout():
     return name, {
         "rank": rank, "world_size": world_size, "local_rank": number("local_rank", 0), "local_size": local_size,
         "machine": machine, "machines": machines, "own_launcher": own_launcher, **master, "who": who,
+        "sets_master": says.get("sets_master", False), "by_host": "machine" not in says,
         "fix": says["fix"], "note": notes.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}"),
         "launch_id": "/".join(launch) if launch and None not in launch else None,
     }  # fmt: skip
@@ -942,9 +956,10 @@ def expand_counts(text):
 def rendezvous(rank, world_size, args):
     """The store every process of the job meets at, and its roll call (roll_call): a machine that never starts is
     reported after --timeout, a process that does not belong within seconds."""
+    deadline = time.monotonic() + args.timeout
     if args.launcher == "torchrun":  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
         served = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
-        resolve(args.master_addr, rank, time.monotonic() + args.timeout)
+        resolve(args.master_addr, rank, deadline)
         agent_store = dist.TCPStore(
             args.master_addr,
             args.master_port,
@@ -954,9 +969,9 @@ def rendezvous(rank, world_size, args):
         )
         # The store outlives a restart (--max-restarts): keep each attempt's keys apart, or a restarted
         # group reads the previous attempt's addresses and Gloo connects to a process that is gone.
-        return dist.PrefixStore(f"attempt-{getenv('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
-    deadline = time.monotonic() + args.timeout
-    store = open_store(rank, world_size, args, deadline)
+        store = dist.PrefixStore(f"attempt-{getenv('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
+    else:
+        store = open_store(rank, world_size, args, deadline)
     try:
         roll_call(store, rank, world_size, args, deadline)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
@@ -964,25 +979,29 @@ def rendezvous(rank, world_size, args):
     return store
 
 
-# What every process of one job agrees on; a process that says otherwise belongs to another job, or was started
-# with other flags. The first three are the layout.
+# One job, one decision. What changes the computation, or what travels between the processes, must be the same on
+# every machine (the first three are the layout, which a launcher decides where one started the job). What rank 0
+# writes is taken from its command on every rank, so that every rank enters the same collectives: machine 0 alone
+# needs these flags. The rest are each machine's own: where it reads the data, its threads, its log, its patience,
+# and how it reaches machine 0.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size", "epochs",
-             "lr", "seed", "amp", "allreduce", "check")  # fmt: skip
+             "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model")  # fmt: skip
+RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
+MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
 
 
 def roll_call(store, rank, world_size, args, deadline):
     """Every process registers under its own rank's key (compare_set: a second claim finds the first), with its
-    machine, host, launch and the job's flags; rank 0 waits for every rank, then says "ready". What cannot make one
-    job stops every process within seconds, with one line per machine: a rank or machine id given twice, or machines
-    that disagree on the layout. A process of another job at this address and port stops alone, never joining."""
+    machine, host, launch, what must agree (JOB_FLAGS) and what rank 0 writes (RANK0_FLAGS); rank 0 waits for every
+    rank, counts the machines, then says "ready". What cannot make one job stops every process within seconds, with
+    one line per machine: a rank or machine id given twice, or machines that disagree on a flag, the model or the
+    torch version. A process of another job (another launcher) at this address and port stops alone, never joining.
+    Every rank then takes rank 0's RANK0_FLAGS, and its machine's index and the job's layout."""
     me = {
         "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
-        "launch": args.launch_id, "job": {k: v for k, v in vars(args).items() if k in JOB_FLAGS},
+        "launch": args.launch_id, "launcher": args.launcher, "job": job_facts(args, world_size),
+        "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script_digest(),
     }  # fmt: skip
-    if args.rank is not None and args.num_machines > 1 and args.launcher != "RANK and WORLD_SIZE":
-        # srun and mpirun may put more processes on one machine than on another
-        me["job"].pop("num_processes", None), me["job"].pop("num_gpu_processes", None)
-    me["job"]["world_size"] = world_size
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
     if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
         first = json.loads(store.compare_set("job", "", mine))
@@ -993,22 +1012,14 @@ def roll_call(store, rank, world_size, args, deadline):
         # Machine 0's own rank 0 could not serve this address and port (another job holds it) and says so itself.
         time.sleep(2)
         sys.exit(1)
-    differ = [k for k in JOB_FLAGS if job["job"].get(k) != me["job"].get(k)]
-    if differ:
-        theirs, ours = (
-            ", ".join(
-                f"{'--' + k.replace('_', '-') if k != 'world_size' else 'world size'} {j['job'].get(k)}" for k in differ
-            )
-            for j in (job, me)
-        )
-        if set(differ) <= set(JOB_FLAGS[:4]):  # the same job, started with another layout on some machine
-            stop_job(store, rank, args, (
-                f"error: the machines disagree on the layout: machine 0 ({job['host']}) has {theirs}; machine "
-                f"{args.machine_id} ({me['host']}) has {ours}: start every machine with the same --num-machines and "
-                "processes per machine"))  # fmt: skip
+    differ = [k for k in JOB_FLAGS if k in job["job"] and k in me["job"] and job["job"][k] != me["job"][k]]
+    if differ and job["launcher"] != me["launcher"]:  # a job is started one way: this process is another job's
+        theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
         stop_job(None, rank, args, (
             f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
             f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
+    if differ:  # the same job, started otherwise on some machine: every machine stops, naming what differs
+        stop_job(store, rank, args, disagreement(differ, job, me))
     held = json.loads(store.compare_set(f"rank/{rank}", "", mine))
     if held != me:
         stop_job(None if store.check(["ready"]) else store, rank, args, twice(rank, held, me, args))
@@ -1017,7 +1028,7 @@ def roll_call(store, rank, world_size, args, deadline):
         if store.check(["abort"]):
             stop_job(None, rank, args, store.get("abort").decode())
         if rank == 0 and store.check(keys):
-            store.set("ready", "1")
+            store.set("ready", json.dumps(count_machines([json.loads(store.get(key)) for key in keys], args)))
         elif rank == 0 and time.monotonic() > deadline:
             joined = sum(store.check([key]) for key in keys)
             stop_job(store, rank, args, (
@@ -1025,6 +1036,93 @@ def roll_call(store, rank, world_size, args, deadline):
                 f"every machine (--num-machines {args.num_machines}, --machine-id 0 to {args.num_machines - 1}) "
                 "with the same --master-addr and --master-port"))  # fmt: skip
         time.sleep(0.1)
+    args.machine_of = json.loads(store.get("ready"))
+    args.machine_id, args.num_machines = args.machine_of[rank], max(args.machine_of) + 1
+    args.machine_sizes = [args.machine_of.count(m) for m in range(args.num_machines)]
+    take_rank0_files(job, me, rank, args)
+
+
+def job_facts(args, world_size):
+    """What this process says must agree across the job (JOB_FLAGS): its flags, its torch and its model."""
+    facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k)}
+    if args.rank is not None:  # a launcher decided the layout (and may put more processes on one machine)
+        for k in ("num_machines", "num_processes", "num_gpu_processes"):
+            facts.pop(k, None)
+    with torch.device("meta"):  # the parameters' names and shapes, with no memory and no random numbers drawn
+        shapes = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
+    return {**facts, "world_size": world_size, "torch": torch.__version__.split("+")[0], "model": shapes}
+
+
+def script_digest():
+    """This file's SHA-256: two machines whose scripts differ in anything but the flags and the model's shapes."""
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def flag_name(key):
+    return key.replace("_", " ") if key in ("world_size", "torch") else "--" + key.replace("_", "-")
+
+
+def flag_words(key, value):
+    """A flag and its value as a user would say it: --lr 0.5, --amp, no --amp, world size 4, torch 2.14.1."""
+    if isinstance(value, bool):
+        return flag_name(key) if value else f"no {flag_name(key)}"
+    return f"{flag_name(key)} {value}"
+
+
+def disagreement(differ, job, me):
+    """The line for machines whose flags, model or torch differ: what each has, and what to do."""
+    if "model" in differ:  # only the parameters that differ, not all of them
+        theirs, ours = job["job"]["model"], me["job"]["model"]
+        at = next(i for i in range(max(len(theirs), len(ours))) if theirs[i : i + 1] != ours[i : i + 1])
+        what, fix = "the model", "run one copy of the script on every machine"
+        theirs, ours = (", ".join(m[at : at + 1]) or "fewer parameters" for m in (theirs, ours))
+    else:
+        what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_name, differ))
+        theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
+        fix = (
+            "install one torch version on every machine" if differ == ["torch"]
+            else "start every machine with the same --num-machines and processes per machine"
+            if what == "the layout" else f"start every machine with the same {what}"
+        )  # fmt: skip
+    return (
+        f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
+        f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"
+    )
+
+
+def count_machines(records, args):
+    """Rank 0, once every rank has joined: each rank's machine index, machines numbered in the order of their first
+    rank, told apart by --machine-id (or the launcher's variable), or, under MPI, by host. Names a machine whose
+    script differs from machine 0's: a warning, as the flags, the model and torch agree (roll_call)."""
+    key, index = "host" if args.by_host else "machine", {}
+    machine_of = [index.setdefault(r[key], len(index)) for r in records]
+    named = {}  # one warning per machine
+    for r in records:
+        if r["script"] != records[0]["script"] and named.setdefault(machine_of[r["rank"]], r) is r:
+            print(
+                f"warning: machine {machine_of[r['rank']]} ({r['host']}) runs another {os.path.basename(__file__)} "
+                f"than machine 0 ({records[0]['host']}): its flags, model and torch agree, so the job goes on; copy "
+                "one script to every machine to be sure they compute the same",
+                file=sys.stderr,
+                flush=True,
+            )
+    return machine_of
+
+
+def take_rank0_files(job, me, rank, args):
+    """Every rank acts on rank 0's --checkpoint, --resume and --metrics-json. Each machine says once where its own
+    differ (a flag given there, unused)."""
+    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"][k]]
+    if ignored and local_rank_of(rank, args) == 0 and args.machine_id != 0:
+        print(
+            f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 reads "
+            "and writes the job's files, as machine 0's command says",
+            file=sys.stderr,
+            flush=True,
+        )
+    for k in RANK0_FLAGS:
+        setattr(args, k, job["files"][k])
 
 
 def twice(rank, first, second, args):
@@ -1151,7 +1249,7 @@ def choose_gloo_interface(store, rank, world_size, args):
     elif spans_machines and addresses is not None:
         address = near
         if is_loopback(near):  # this machine serves the rendezvous: a process of another machine knows
-            other = per_machine if args.machine_id == 0 else 0
+            other = next(r for r, m in enumerate(args.machine_of) if m != args.machine_id)
             other_near, other_far = store.get(f"ends/{other}").decode().split()
             address = near if is_loopback(other_near) else other_far  # both on one host: loopback is right
         # Gloo listens on its interface's first address: an alias label whose first address this is, if any.
