@@ -997,11 +997,7 @@ def roll_call(store, rank, world_size, args, deadline):
     one line per machine: a rank or machine id given twice, or machines that disagree on a flag, the model or the
     torch version. A process of another job (another launcher) at this address and port stops alone, never joining.
     Every rank then takes rank 0's RANK0_FLAGS, and its machine's index and the job's layout."""
-    me = {
-        "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
-        "launch": args.launch_id, "launcher": args.launcher, "job": job_facts(args, world_size),
-        "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script_digest(),
-    }  # fmt: skip
+    me = record(rank, world_size, args)
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
     if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
         first = json.loads(store.compare_set("job", "", mine))
@@ -1040,6 +1036,15 @@ def roll_call(store, rank, world_size, args, deadline):
     args.machine_id, args.num_machines = args.machine_of[rank], max(args.machine_of) + 1
     args.machine_sizes = [args.machine_of.count(m) for m in range(args.num_machines)]
     take_rank0_files(job, me, rank, args)
+
+
+def record(rank, world_size, args):
+    """What a process says of itself at the roll call."""
+    return {
+        "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
+        "launch": args.launch_id, "launcher": args.launcher, "job": job_facts(args, world_size),
+        "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script_digest(),
+    }  # fmt: skip
 
 
 def job_facts(args, world_size):
@@ -1185,11 +1190,23 @@ def open_store(rank, world_size, args, deadline):
             return store(use_libuv=False)
     except (dist.DistError, OSError) as e:
         if rank == 0:
+            rank0_started_twice(world_size, args)
             sys.exit(
                 f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
                 "the port; choose a free --master-port"
             )
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def rank0_started_twice(world_size, args):
+    """Rank 0 cannot serve the rendezvous: if this job's own rank 0 serves it (the same flags, another launch: a
+    --machine-id 0 given twice, or left out), every process of the job stops, naming it, not after --timeout."""
+    with contextlib.suppress(dist.DistError, OSError, ValueError):
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
+                              timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+        first, me = json.loads(store.get("job")), record(0, world_size, args)
+        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
+            stop_job(store, 0, args, twice(0, first, me, args))
 
 
 def loopback_listener(args):

@@ -46,7 +46,7 @@ def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkey
     args, processes = layout(module, monkeypatch, SRUN_2X2)
     assert (args.launcher, args.rank, args.local_rank, args.world_size) == ("SLURM", 3, 1, 4)
     assert (args.num_machines, args.machine_id, processes) == (2, 1, 2)
-    assert (args.master_addr, args.master_port) == ("node07", 15000 + 4711)
+    assert (args.master_addr, args.master_port) == ("node07", 15000 + (4711 * 97 + 0) % 17000)  # job 4711, step 0
     assert module.placement(args, args.local_rank) == (3, 4, 2)
     assert args.launch_note == "SLURM: 4 tasks on 2 nodes"
     assert args.threads == 4  # the 8 cores of this node shared by its 2 tasks
@@ -54,6 +54,51 @@ def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkey
     monkeypatch.setenv("MASTER_PORT", "29500")
     args, _ = layout(module, monkeypatch, {})
     assert (args.master_addr, args.master_port) == ("10.0.0.7", 29500)
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_srun_steps_side_by_side_each_meet_on_their_own_first_node_and_port(clean_env, monkeypatch, module):
+    """A sweep's steps in one allocation (srun -N1 -n2 -r1 ... &): machine 0 was the job's first node, and the port
+    the job's, so a step on node08 went to node07's step. Now each step meets on its own first node, at its own port;
+    a given --master-port or --master-addr is taken (SLURM set neither: the script derived them)."""
+    step1 = dict(SRUN_2X2, SLURM_STEP_ID="1", SLURM_STEP_NODELIST="node08", SLURM_STEP_NUM_NODES="1",
+                 SLURM_NODEID="0", SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2",
+                 SLURM_STEP_TASKS_PER_NODE="2")  # fmt: skip
+    args, _ = layout(module, monkeypatch, dict(step1, SLURM_STEP_ID="0", SLURM_STEP_NODELIST="node07"))
+    step0 = (args.master_addr, args.master_port)
+    args, _ = layout(module, monkeypatch, step1)
+    assert (args.master_addr, args.num_machines, args.world_size) == ("node08", 1, 2)
+    assert step0[0] == "node07" and args.master_port != step0[1]
+    assert args.launch_id == "4711/1"  # steps are launches of their own: each its own roll call
+    ports = {layout(module, monkeypatch, dict(step1, SLURM_STEP_ID=str(s)))[0].master_port for s in range(50)}
+    ports |= {layout(module, monkeypatch, dict(step1, SLURM_JOB_ID="4712", SLURM_STEP_ID=str(s)))[0].master_port
+              for s in range(50)}  # fmt: skip
+    assert len(ports) == 100 and all(15000 <= p < 32768 for p in ports)  # below Linux's ephemeral ports
+    args, _ = layout(module, monkeypatch, step1, ["--master-port", "29500", "--master-addr", "10.0.0.9"])
+    assert (args.master_addr, args.master_port) == ("10.0.0.9", 29500)
+
+
+def test_a_flag_that_disagrees_with_torchrun_is_refused(clean_env, monkeypatch, capsys):
+    """torchrun serves its store at MASTER_ADDR:MASTER_PORT, which it set: a --master-port elsewhere cannot work."""
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29400")  # fmt: skip
+    with pytest.raises(SystemExit) as exit:
+        layout(convnet_distributed, monkeypatch, env, ["--master-port", "29500"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--master-port 29500 disagrees with torchrun, which set 29400" in err, err
+
+
+def test_srun_gpus_per_task_gives_each_task_its_gpu(clean_env, monkeypatch):
+    """srun --ntasks-per-node 2 --gpus-per-task 1: each task sees one GPU, its own, as cuda:0. main() stopped with
+    'only 1 GPU(s) visible' (the tasks per node taken for GPUs wanted); now each task trains on its GPU."""
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(convnet_distributed_cuda, "stop_on_signals", lambda ctrl_c: None)
+    monkeypatch.setattr(convnet_distributed_cuda, "worker", lambda local_rank, args, data: ran.append(local_rank))
+    args, processes = layout(convnet_distributed_cuda, monkeypatch, SRUN_2X2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    convnet_distributed_cuda.main([])
+    assert ran == [1] and processes == 2  # the task's local rank; select_device takes cuda:1 % 1 = cuda:0
 
 
 def test_srun_with_uneven_tasks_per_node(clean_env, monkeypatch):
@@ -121,6 +166,41 @@ def test_mpi_ranks_are_one_group(clean_env, monkeypatch, capsys, module, env):
     one_machine = {name: value.replace("3", "1").replace("4", "2") for name, value in env.items()}  # 2 ranks, both here
     args, processes = layout(module, monkeypatch, one_machine)
     assert (args.master_addr, args.num_machines, args.machine_id, processes) == ("127.0.0.1", 1, 0, 2)
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_open_mpi_5_launches_are_told_apart(clean_env, monkeypatch, module):
+    """Open MPI 5 sets no OMPI_MCA_orte_hnp_uri: two mpirun jobs on one port, with the same flags, had no launch id
+    and met as 'rank joined twice'. PMIx's namespace, set by Open MPI 4 and 5, names each mpirun."""
+    env = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1",
+               OMPI_COMM_WORLD_LOCAL_SIZE="2", PMIX_NAMESPACE="prterun-vm-4242@1")  # fmt: skip
+    args, _ = layout(module, monkeypatch, env)
+    assert args.launch_id == "prterun-vm-4242@1"
+    args, _ = layout(module, monkeypatch, dict(PMIX_NAMESPACE="prterun-vm-4343@1"))
+    assert args.launch_id == "prterun-vm-4343@1"
+
+
+@pytest.mark.parametrize(
+    "hosts, sizes, line",
+    [
+        (["a", "a", "b"], [2, 1], "World size 3 = 2 machines (2 + 1 processes);"),  # -np 3 -H a:2,b:1
+        (["a", "b", "a", "b"], [2, 2], "World size 4 = 2 machines x 2 processes;"),  # --map-by node
+        (["a", "a", "a", "b"], [3, 1], "World size 4 = 2 machines (3 + 1 processes);"),  # SLURM tasks 3,1
+    ],
+)
+def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch, hosts, sizes, line):
+    """The machine index was rank // local size: under uneven or round-robin placement ranks disagreed on the number
+    of machines, or two claimed machine 0. Now rank 0 numbers the machines by host, in the order of their first
+    rank, and the first line counts them."""
+    env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(len(hosts)), OMPI_COMM_WORLD_LOCAL_RANK="0",
+               OMPI_COMM_WORLD_LOCAL_SIZE=str(sizes[0]), MASTER_ADDR="a")  # fmt: skip
+    args, _ = layout(convnet_distributed, monkeypatch, env)
+    records = [{"rank": r, "host": h, "machine": 0, "script": "same"} for r, h in enumerate(hosts)]
+    machine_of = convnet_distributed.count_machines(records, args)
+    assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
+    args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
+    assert args.machine_sizes == sizes
+    assert convnet_distributed.layout_line(len(hosts), args, "over Gloo").startswith(line)
 
 
 def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
