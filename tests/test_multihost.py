@@ -255,8 +255,8 @@ def launch_machines(net, folder, env, argv_of, label="machine"):
 
 
 def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT, master_addr="node0", extra=()):
-    """The script's own two-machine launch, the README's command: 2 processes on each of node0 and node1.
-    master_addr is one for both machines, or a list of one per machine."""
+    """The script's own two-machine launch, the README's command: 2 processes on each of node0 and node1, and
+    --metrics-json on machine 0 alone, as users give it. master_addr is one for both machines, or a list."""
     addrs = master_addr if isinstance(master_addr, list) else [master_addr, master_addr]
     return launch_machines(
         net,
@@ -265,13 +265,15 @@ def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT, mast
         lambda i: [
             *[sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", i, "--num-processes", 2],
             *["--master-addr", addrs[i], "--master-port", port, *common_args(data_dir, timeout)],
-            *["--metrics-json", folder / f"m{i}.json", *extra],
+            *(["--metrics-json", folder / "m0.json"] if i == 0 else []),
+            *extra,
         ],
     )
 
 
-def torchrun_machines(net, data_dir, folder, rendezvous):
-    """torchrun on each machine, 2 processes each, with the given rendezvous flags."""
+def torchrun_machines(net, data_dir, folder, rendezvous, metrics_on=(0,)):
+    """torchrun on each machine, 2 processes each, with the given rendezvous flags; the machines in metrics_on are
+    given --metrics-json (machine 0 alone, as users do, where it is known to host rank 0)."""
     return launch_machines(
         net,
         folder,
@@ -279,7 +281,8 @@ def torchrun_machines(net, data_dir, folder, rendezvous):
         lambda i: [
             *[sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--nproc-per-node", 2],
             *rendezvous(i),
-            *[SCRIPT, *common_args(data_dir), "--metrics-json", folder / f"m{i}.json"],
+            *[SCRIPT, *common_args(data_dir)],
+            *(["--metrics-json", folder / f"m{i}.json"] if i in metrics_on else []),
         ],
         label="torchrun",
     )
@@ -352,6 +355,7 @@ def test_torchrun_c10d_across_two_hosts(network, data_dir, tmp_path):
         data_dir,
         tmp_path,
         lambda i: ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job],
+        metrics_on=(0, 1),  # rank 0 may land on either machine: each writes its own file if it hosts rank 0
     )
     results = finish_all(machines, RUN_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
@@ -670,3 +674,20 @@ def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
     m = check_metrics(tmp_path / "given.json", 4)
     assert m["allreduce"] == "gloo"  # across machines
     assert_namespaces_empty(network)
+
+    # Uneven slots, then round-robin placement: the machine index was rank // local size, so the ranks disagreed on
+    # the machines (a wrong "same --num-machines" line) or two claimed machine 0. Now the roll call counts by host.
+    for label, placement, sizes, first in (
+        ("uneven", ["-np", 3, "-H", "node0:2,node1:1"], (2, 1), "World size 3 = 2 machines (2 + 1 processes);"),
+        ("cyclic", ["-np", 4, "-H", "node0:2,node1:2", "--map-by", "node"], (2, 2), "World size 4 = 2 machines x 2"),
+    ):
+        argv = ["mpirun", *placement, "-x", "MASTER_ADDR=node0", "-x", f"MASTER_PORT={port}"]
+        argv += [sys.executable, SCRIPT, *common_args(data_dir), "--metrics-json", tmp_path / f"{label}.json"]
+        run = finish_all([Machine(label, network.ns_a, argv, env, tmp_path, "node0")], MPI_SECONDS)[0]
+        assert run.returncode == 0, describe([run])
+        lines = run.stdout.splitlines()
+        assert next(line for line in lines if line.startswith("World size")).startswith(first), describe([run])
+        for machine, (host, count) in enumerate(zip(("node0", "node1"), sizes)):
+            assert any(line.startswith(f"Machine {machine} ({host}): {count} process") for line in lines), lines
+        check_metrics(tmp_path / f"{label}.json", sum(sizes))
+        assert_namespaces_empty(network)

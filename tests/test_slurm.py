@@ -525,3 +525,39 @@ def test_srun_one_task_per_process_and_the_short_recipe(cluster, data_dir, tmp_p
         line = f"Machine {i} (node{i}): 2 processes, Gloo on {cluster.namespaces[i]} {cluster.addrs[i]}"
         assert output.splitlines().count(line) == 2, output
     cluster.assert_no_strays()
+
+
+# A sweep: two steps of one allocation side by side, each on a node of its own, each its own job with its own --lr.
+STEPS_SCRIPT = """\
+#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
+for i in 0 1; do
+  srun --nodes=1 --ntasks=2 --relative=$i python convnet_distributed.py --batch-size 32 {common} --lr 0.{lr}$i \
+--metrics-json {folder}/step$i.json > {folder}/step$i.out 2>&1 &
+done
+wait
+"""
+
+
+@pytest.mark.timeout(START_SECONDS + JOB_SECONDS + 60)
+def test_srun_steps_side_by_side_each_train_as_their_own_group(cluster, data_dir, tmp_path):
+    """Machine 0 was the job's first node and the port the job's: the step on node1 went to node0's step, and one
+    of the two stopped ('rank 0 joined twice', or 'another job's rendezvous'). Now each step meets on its own first
+    node, at a port of its own, and trains as a group of its 2 tasks."""
+    common = f"--threads 1 --data-dir {data_dir} --epochs 1 --log-interval 1000 --timeout {PEER_TIMEOUT}"
+    script = tmp_path / "job.sh"
+    script.write_text(STEPS_SCRIPT.format(common=common, folder=tmp_path, lr=4))
+    out = tmp_path / "job.out"
+    job_id = cluster.submit(script, out)
+    fields = cluster.wait_job(job_id, out=out)
+    outputs = [(tmp_path / f"step{i}.out").read_text() for i in range(2)]
+    said = "\n".join(outputs) + out.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{said}\n{cluster.logs()}"
+    for i, output in enumerate(outputs):
+        layout = next(line for line in output.splitlines() if line.startswith("World size"))
+        assert layout.startswith("World size 2 = 1 machine x 2 processes;"), said
+        assert layout.endswith("(SLURM: 2 tasks on 1 node)"), said
+        assert "error" not in output and output.count("Finished training in") == 1, said
+        m = read_json(tmp_path / f"step{i}.json")
+        assert m["world_size"] == 2 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8, m
+    cluster.assert_no_strays()
