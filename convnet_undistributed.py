@@ -587,6 +587,11 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
+    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
+    if os.name == "posix":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
 
 
