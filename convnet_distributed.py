@@ -443,6 +443,13 @@ def resume(model, optimizer, args, compression=None):
         print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
     print0(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
+    # say --lr: --lr wins, as every other flag of a resumed run does.
+    saved_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
     return state["epoch"] + 1
 
 
