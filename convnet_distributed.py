@@ -218,7 +218,7 @@ def train(model, optimizer, data, rank, world_size, args):
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args, compression)
     if not history:
-        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
     peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
     metrics = {

@@ -178,7 +178,7 @@ def train(model, optimizer, data, args):
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
-        print(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        print(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
     metrics = {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),

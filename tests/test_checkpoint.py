@@ -120,3 +120,14 @@ def test_a_resumed_run_takes_the_learning_rate_of_its_command_line(data_dir, tmp
     state = torch.load(ck, weights_only=True)
     assert state["epoch"] == 1 and state["args"]["lr"] == 0.1
     assert [group["lr"] for group in state["optimizer"]["param_groups"]] == [0.1]
+
+
+@pytest.mark.parametrize("script", ["convnet_undistributed.py", "convnet_distributed.py"])
+def test_nothing_to_train_names_the_epochs_the_checkpoint_holds(data_dir, tmp_path, script):
+    """It named --epochs: a checkpoint of 2 epochs resumed with --epochs 1 "already holds 1 epoch(s)"."""
+    ck = tmp_path / "ck.pt"
+    first = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck)
+    assert first.returncode == 0, first.stderr
+    again = train(script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "Nothing to train: the checkpoint already holds 2 epoch(s)\n" in again.stdout, again.stdout
