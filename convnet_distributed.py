@@ -603,7 +603,13 @@ def parse_args(argv=None):
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
-        args.threads = default_threads(placement(args, 0)[2])
+        try:
+            args.threads = default_threads(placement(args, 0)[2])
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
     return args
 
 
@@ -811,8 +817,8 @@ def port(text):
 def default_threads(processes_per_machine):
     """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
     out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
-    if getenv("OMP_NUM_THREADS"):
-        return positive_int(getenv("OMP_NUM_THREADS"))
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
     return max(1, usable_cores() // processes_per_machine)
 
 

@@ -350,7 +350,13 @@ def parse_args(argv=None):
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
-        args.threads = default_threads()
+        try:
+            args.threads = default_threads()
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
     return args
 
 
@@ -430,8 +436,8 @@ def positive_float(text):
 
 def default_threads():
     """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
-    if getenv("OMP_NUM_THREADS"):
-        return positive_int(getenv("OMP_NUM_THREADS"))
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
     return usable_cores()
 
 
