@@ -122,9 +122,11 @@ def unpack(path):
             shutil.copyfileobj(src, dst)
         os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
-    except Exception as e:
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
         if part and os.path.exists(part):
             os.unlink(part)
+        if not isinstance(e, Exception):
+            raise  # a stop, not a damaged file: the run stops as it would anywhere else
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
 

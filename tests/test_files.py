@@ -248,3 +248,22 @@ def test_leaving_at_once_keeps_what_c_code_buffered_in_stdio(tmp_path, module):
         )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert out.read_text() == "written by C's printf\n"
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, convnet_distributed.Terminated])
+def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypatch, stop):
+    """Ctrl-C or SIGTERM midway through unpacking MNIST's images left their temporary file (47 MB) in the data
+    folder: only an Exception removed it."""
+    from conftest import FILES, write_dataset
+
+    raw = os.path.join(write_dataset(str(tmp_path), gz=True), "MNIST", "raw")
+    path = os.path.join(raw, "train-images-idx3-ubyte")
+
+    def stopped(src, dst):
+        dst.write(src.read(1000))  # midway
+        raise stop
+
+    monkeypatch.setattr(convnet_distributed.shutil, "copyfileobj", stopped)
+    with pytest.raises(stop):
+        convnet_distributed.unpack(path)
+    assert sorted(os.listdir(raw)) == sorted(name + ".gz" for name in FILES)  # the .gz files alone
