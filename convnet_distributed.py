@@ -1252,12 +1252,12 @@ def interface_addresses():
     (a cloud's second IP, a floating one). None where they cannot be listed (netlink is Linux's)."""
     if not hasattr(socket, "AF_NETLINK"):
         return None
-    names = dict(socket.if_nameindex())
-    found, ipv6 = {name: [] for name in names.values()}, []
-    try:
+    try:  # both read netlink (glibc's if_nameindex too): where a sandbox blocks it, either call fails
+        names = dict(socket.if_nameindex())
         rows = list(netlink_addresses())
     except OSError:
         return None
+    found, ipv6 = {name: [] for name in names.values()}, []
     for family, scope, index, attributes in rows:
         raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS (the peer's, on point-to-point)
         label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
