@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from multiprocessing import resource_tracker
@@ -576,6 +577,9 @@ def spawned_worker(local_rank, args, data, held):
         exit_at_once(143)
     except SystemExit as e:
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
@@ -1821,4 +1825,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()

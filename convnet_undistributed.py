@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
 import torch
@@ -615,4 +616,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()
