@@ -298,7 +298,15 @@ def data_parallel(model, rank, world_size, args):
     """DDP around model; returns it, how it averages the gradients ("shared-memory" when every process is
     on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo") and the state of PowerSGD's
     hook for the checkpoint (None without --compress powersgd). --compress acts over Gloo only."""
-    shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
+    averager = None
+    if averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size):
+        try:
+            averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
+        except OSError as e:  # every rank: /dev/shm had the room when checked, and another job took it since
+            if e.errno != errno.ENOSPC:
+                raise
+            print0(e.strerror)
+    shared_memory = averager is not None
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
@@ -310,7 +318,6 @@ def data_parallel(model, rank, world_size, args):
         model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if one_bucket else {})
     )
     if shared_memory:
-        averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
         return ddp_model, "shared-memory", None
     return ddp_model, "gloo", compress_gradients(ddp_model, args.compress)
@@ -1308,17 +1315,18 @@ class SharedMemoryAverager:
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind, even
-        # where a rank fails, times out or is stopped meanwhile (whichever rank gets out first removes it).
+        # Rank 0 creates a file in /dev/shm, its room reserved (reserve), every rank maps it, then the name goes:
+        # nothing is left behind, even where a rank fails, times out or is stopped meanwhile (whichever rank gets out
+        # first removes it). Where another job took the room since fits() looked, every rank raises ENOSPC.
         path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
         try:
-            if rank == 0:
-                region = torch.from_file(path[0], shared=True, size=size)
-            dist.barrier()  # created: the others may map it
-            if rank != 0:
-                region = torch.from_file(path[0], shared=True, size=size)
+            shortfall = [SharedMemoryAverager.reserve(path[0], 4 * size) if rank == 0 else None]
+            dist.broadcast_object_list(shortfall, src=0)  # created: the others may map it
+            if shortfall[0]:
+                raise OSError(errno.ENOSPC, shortfall[0])
+            region = torch.from_file(path[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -1326,6 +1334,23 @@ class SharedMemoryAverager:
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
+
+    @staticmethod
+    def reserve(path, size):
+        """Create path with its size bytes reserved in /dev/shm (torch.from_file would make a sparse file: a process
+        touching a page beyond /dev/shm's room dies of SIGBUS). None, or the line saying /dev/shm lacks the room."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            return shortfall_line(
+                [(f"the gradient average ({size / 2**20:.0f} MiB)", "gradients are averaged over Gloo")]
+            )
+        finally:
+            os.close(fd)
+        return None
 
     @staticmethod
     def floats(numel, world_size):
@@ -1592,7 +1617,23 @@ def last_line(error):
 def share_data(data, gradients=0):
     """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
     (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
-    data_fits, _, shortfall = shared_memory_plan(sum(t.untyped_storage().nbytes() for t in data), gradients)
+    size = sum(t.untyped_storage().nbytes() for t in data)
+    data_fits, _, shortfall = shared_memory_plan(size, gradients)
+    if data_fits and data:
+        # Moved there now, not as the workers start: torch reserves the room (posix_fallocate), so that where another
+        # job took it since the check, that is an error here, not a SIGBUS in a worker touching a page of it.
+        try:
+            for t in data:
+                t.share_memory_()
+        except RuntimeError as e:
+            for t in data:
+                if t.is_shared():
+                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
+            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, and left there
+                with contextlib.suppress(OSError):
+                    os.unlink("/dev/shm" + name)
+            data_fits = False
+            shortfall = shortfall_line([(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")])
     if shortfall:
         print(shortfall, flush=True)
     return data_fits
@@ -1613,12 +1654,24 @@ def shared_memory_plan(data=0, gradients=0):
     left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
     if not gradients_fit:
         left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
-    shortfall = left_out and (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for {' and '.join(what for what, _ in left_out)}: "
+    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
+
+
+def shortfall_line(left_out, free=None):
+    """The line saying what /dev/shm has too little room for, what happens instead ([(what, instead)]), and the
+    fix; free: its free bytes, else as it has them now."""
+    if free is None:
+        with contextlib.suppress(OSError, AttributeError):
+            stats = os.statvfs("/dev/shm")
+            free = stats.f_bavail * stats.f_frsize
+    room = (
+        "shared memory has too little room" if free is None else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
+    )
+    return (
+        f"{room} for {' and '.join(what for what, _ in left_out)}: "
         f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
         "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
-    return data_fits, gradients_fit, shortfall or None
 
 
 def gradient_room(args):

@@ -1377,7 +1377,23 @@ def last_line(error):
 def share_data(data, gradients=0):
     """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
     (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
-    data_fits, _, shortfall = shared_memory_plan(sum(t.untyped_storage().nbytes() for t in data), gradients)
+    size = sum(t.untyped_storage().nbytes() for t in data)
+    data_fits, _, shortfall = shared_memory_plan(size, gradients)
+    if data_fits and data:
+        # Moved there now, not as the workers start: torch reserves the room (posix_fallocate), so that where another
+        # job took it since the check, that is an error here, not a SIGBUS in a worker touching a page of it.
+        try:
+            for t in data:
+                t.share_memory_()
+        except RuntimeError as e:
+            for t in data:
+                if t.is_shared():
+                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
+            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, and left there
+                with contextlib.suppress(OSError):
+                    os.unlink("/dev/shm" + name)
+            data_fits = False
+            shortfall = shortfall_line([(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")])
     if shortfall:
         print(shortfall, flush=True)
     return data_fits
@@ -1398,12 +1414,24 @@ def shared_memory_plan(data=0, gradients=0):
     left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
     if not gradients_fit:
         left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
-    shortfall = left_out and (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for {' and '.join(what for what, _ in left_out)}: "
+    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
+
+
+def shortfall_line(left_out, free=None):
+    """The line saying what /dev/shm has too little room for, what happens instead ([(what, instead)]), and the
+    fix; free: its free bytes, else as it has them now."""
+    if free is None:
+        with contextlib.suppress(OSError, AttributeError):
+            stats = os.statvfs("/dev/shm")
+            free = stats.f_bavail * stats.f_frsize
+    room = (
+        "shared memory has too little room" if free is None else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
+    )
+    return (
+        f"{room} for {' and '.join(what for what, _ in left_out)}: "
         f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
         "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
-    return data_fits, gradients_fit, shortfall or None
 
 
 def start_method():
