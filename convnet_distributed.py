@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from multiprocessing import resource_tracker
@@ -123,9 +124,11 @@ def unpack(path):
             shutil.copyfileobj(src, dst)
         os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
-    except Exception as e:
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
         if part and os.path.exists(part):
             os.unlink(part)
+        if not isinstance(e, Exception):
+            raise  # a stop, not a damaged file: the run stops as it would anywhere else
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
 
@@ -219,7 +222,7 @@ def train(model, optimizer, data, rank, world_size, args):
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args, compression)
     if not history:
-        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
     peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
     metrics = {
@@ -296,7 +299,15 @@ def data_parallel(model, rank, world_size, args):
     """DDP around model; returns it, how it averages the gradients ("shared-memory" when every process is
     on this machine (SharedMemoryAverager) unless --allreduce gloo, else "gloo") and the state of PowerSGD's
     hook for the checkpoint (None without --compress powersgd). --compress acts over Gloo only."""
-    shared_memory = averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
+    averager = None
+    if averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size):
+        try:
+            averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
+        except OSError as e:  # every rank: /dev/shm had the room when checked, and another job took it since
+            if e.errno != errno.ENOSPC:
+                raise
+            print0(e.strerror)
+    shared_memory = averager is not None
     # DDP broadcasts rank 0's weights: all copies start equal. The averaged gradients stay in DDP's buckets
     # (gradient_as_bucket_view), not copied back out every step. In shared memory the whole model is one
     # bucket (a cap given explicitly holds for the first bucket too, else 1 MiB), so a step waits for the
@@ -308,7 +319,6 @@ def data_parallel(model, rank, world_size, args):
         model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if one_bucket else {})
     )
     if shared_memory:
-        averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
         return ddp_model, "shared-memory", None
     return ddp_model, "gloo", compress_gradients(ddp_model, args.compress)
@@ -445,6 +455,13 @@ def resume(model, optimizer, args, compression=None):
         print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
     print0(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
+    # say --lr: --lr wins, as every other flag of a resumed run does.
+    saved_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
     return state["epoch"] + 1
 
 
@@ -569,6 +586,9 @@ def spawned_worker(local_rank, args, data, held):
         exit_at_once(143)
     except SystemExit as e:
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
@@ -601,7 +621,13 @@ def parse_args(argv=None):
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
-        args.threads = default_threads(placement(args, 0)[2])
+        try:
+            args.threads = default_threads(placement(args, 0)[2])
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
     # Processes on each machine: the flags say so; under a launcher the roll call counts them.
     args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
     return args
@@ -812,8 +838,8 @@ def port(text):
 def default_threads(processes_per_machine):
     """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
     out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
-    if getenv("OMP_NUM_THREADS"):
-        return positive_int(getenv("OMP_NUM_THREADS"))
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
     return max(1, usable_cores() // processes_per_machine)
 
 
@@ -1352,12 +1378,12 @@ def interface_addresses():
     (a cloud's second IP, a floating one). None where they cannot be listed (netlink is Linux's)."""
     if not hasattr(socket, "AF_NETLINK"):
         return None
-    names = dict(socket.if_nameindex())
-    found, ipv6 = {name: [] for name in names.values()}, []
-    try:
+    try:  # both read netlink (glibc's if_nameindex too): where a sandbox blocks it, either call fails
+        names = dict(socket.if_nameindex())
         rows = list(netlink_addresses())
     except OSError:
         return None
+    found, ipv6 = {name: [] for name in names.values()}, []
     for family, scope, index, attributes in rows:
         raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS (the peer's, on point-to-point)
         label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
@@ -1404,17 +1430,18 @@ class SharedMemoryAverager:
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates a file in /dev/shm, every rank maps it, then the name goes: nothing is left behind, even
-        # where a rank fails, times out or is stopped meanwhile (whichever rank gets out first removes it).
+        # Rank 0 creates a file in /dev/shm, its room reserved (reserve), every rank maps it, then the name goes:
+        # nothing is left behind, even where a rank fails, times out or is stopped meanwhile (whichever rank gets out
+        # first removes it). Where another job took the room since fits() looked, every rank raises ENOSPC.
         path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
         try:
-            if rank == 0:
-                region = torch.from_file(path[0], shared=True, size=size)
-            dist.barrier()  # created: the others may map it
-            if rank != 0:
-                region = torch.from_file(path[0], shared=True, size=size)
+            shortfall = [SharedMemoryAverager.reserve(path[0], 4 * size) if rank == 0 else None]
+            dist.broadcast_object_list(shortfall, src=0)  # created: the others may map it
+            if shortfall[0]:
+                raise OSError(errno.ENOSPC, shortfall[0])
+            region = torch.from_file(path[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -1422,6 +1449,23 @@ class SharedMemoryAverager:
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
+
+    @staticmethod
+    def reserve(path, size):
+        """Create path with its size bytes reserved in /dev/shm (torch.from_file would make a sparse file: a process
+        touching a page beyond /dev/shm's room dies of SIGBUS). None, or the line saying /dev/shm lacks the room."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            return shortfall_line(
+                [(f"the gradient average ({size / 2**20:.0f} MiB)", "gradients are averaged over Gloo")]
+            )
+        finally:
+            os.close(fd)
+        return None
 
     @staticmethod
     def floats(numel, world_size):
@@ -1688,7 +1732,23 @@ def last_line(error):
 def share_data(data, gradients=0):
     """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
     (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
-    data_fits, _, shortfall = shared_memory_plan(sum(t.untyped_storage().nbytes() for t in data), gradients)
+    size = sum(t.untyped_storage().nbytes() for t in data)
+    data_fits, _, shortfall = shared_memory_plan(size, gradients)
+    if data_fits and data:
+        # Moved there now, not as the workers start: torch reserves the room (posix_fallocate), so that where another
+        # job took it since the check, that is an error here, not a SIGBUS in a worker touching a page of it.
+        try:
+            for t in data:
+                t.share_memory_()
+        except RuntimeError as e:
+            for t in data:
+                if t.is_shared():
+                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
+            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, and left there
+                with contextlib.suppress(OSError):
+                    os.unlink("/dev/shm" + name)
+            data_fits = False
+            shortfall = shortfall_line([(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")])
     if shortfall:
         print(shortfall, flush=True)
     return data_fits
@@ -1709,12 +1769,24 @@ def shared_memory_plan(data=0, gradients=0):
     left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
     if not gradients_fit:
         left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
-    shortfall = left_out and (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for {' and '.join(what for what, _ in left_out)}: "
+    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
+
+
+def shortfall_line(left_out, free=None):
+    """The line saying what /dev/shm has too little room for, what happens instead ([(what, instead)]), and the
+    fix; free: its free bytes, else as it has them now."""
+    if free is None:
+        with contextlib.suppress(OSError, AttributeError):
+            stats = os.statvfs("/dev/shm")
+            free = stats.f_bavail * stats.f_frsize
+    room = (
+        "shared memory has too little room" if free is None else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
+    )
+    return (
+        f"{room} for {' and '.join(what for what, _ in left_out)}: "
         f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
         "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
-    return data_fits, gradients_fit, shortfall or None
 
 
 def gradient_room(args):
@@ -1908,6 +1980,11 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
+    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
+    if os.name == "posix":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
 
 
@@ -1916,4 +1993,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from datetime import timedelta
 from multiprocessing import resource_tracker
 
@@ -117,9 +118,11 @@ def unpack(path):
             shutil.copyfileobj(src, dst)
         os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
-    except Exception as e:
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
         if part and os.path.exists(part):
             os.unlink(part)
+        if not isinstance(e, Exception):
+            raise  # a stop, not a damaged file: the run stops as it would anywhere else
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
 
@@ -222,7 +225,7 @@ def train(model, optimizer, data, rank, world_size, args):
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args, compression)
     if not history:
-        print0(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
     peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
     metrics = {
@@ -429,6 +432,13 @@ def resume(model, optimizer, args, compression=None):
         print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
     print0(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
+    # say --lr: --lr wins, as every other flag of a resumed run does.
+    saved_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
     return state["epoch"] + 1
 
 
@@ -555,6 +565,9 @@ def spawned_worker(local_rank, args, data, held):
         exit_at_once(143)
     except SystemExit as e:
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
@@ -587,7 +600,13 @@ def parse_args(argv=None):
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
-        args.threads = default_threads(placement(args, 0)[2])
+        try:
+            args.threads = default_threads(placement(args, 0)[2])
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
     # Processes on each machine: the flags say so; under a launcher the roll call counts them.
     args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
     return args
@@ -791,8 +810,8 @@ def port(text):
 def default_threads(processes_per_machine):
     """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
     out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
-    if getenv("OMP_NUM_THREADS"):
-        return positive_int(getenv("OMP_NUM_THREADS"))
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
     return max(1, usable_cores() // processes_per_machine)
 
 
@@ -1471,7 +1490,23 @@ def last_line(error):
 def share_data(data, gradients=0):
     """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
     (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
-    data_fits, _, shortfall = shared_memory_plan(sum(t.untyped_storage().nbytes() for t in data), gradients)
+    size = sum(t.untyped_storage().nbytes() for t in data)
+    data_fits, _, shortfall = shared_memory_plan(size, gradients)
+    if data_fits and data:
+        # Moved there now, not as the workers start: torch reserves the room (posix_fallocate), so that where another
+        # job took it since the check, that is an error here, not a SIGBUS in a worker touching a page of it.
+        try:
+            for t in data:
+                t.share_memory_()
+        except RuntimeError as e:
+            for t in data:
+                if t.is_shared():
+                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
+            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, and left there
+                with contextlib.suppress(OSError):
+                    os.unlink("/dev/shm" + name)
+            data_fits = False
+            shortfall = shortfall_line([(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")])
     if shortfall:
         print(shortfall, flush=True)
     return data_fits
@@ -1492,12 +1527,24 @@ def shared_memory_plan(data=0, gradients=0):
     left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
     if not gradients_fit:
         left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
-    shortfall = left_out and (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for {' and '.join(what for what, _ in left_out)}: "
+    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
+
+
+def shortfall_line(left_out, free=None):
+    """The line saying what /dev/shm has too little room for, what happens instead ([(what, instead)]), and the
+    fix; free: its free bytes, else as it has them now."""
+    if free is None:
+        with contextlib.suppress(OSError, AttributeError):
+            stats = os.statvfs("/dev/shm")
+            free = stats.f_bavail * stats.f_frsize
+    room = (
+        "shared memory has too little room" if free is None else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
+    )
+    return (
+        f"{room} for {' and '.join(what for what, _ in left_out)}: "
         f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
         "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
-    return data_fits, gradients_fit, shortfall or None
 
 
 def start_method():
@@ -1681,6 +1728,11 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
+    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
+    if os.name == "posix":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
 
 
@@ -1689,4 +1741,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()

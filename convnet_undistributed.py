@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
 import torch
@@ -84,9 +85,11 @@ def unpack(path):
             shutil.copyfileobj(src, dst)
         os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
-    except Exception as e:
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
         if part and os.path.exists(part):
             os.unlink(part)
+        if not isinstance(e, Exception):
+            raise  # a stop, not a damaged file: the run stops as it would anywhere else
         sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
 
@@ -178,7 +181,7 @@ def train(model, optimizer, data, args):
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
-        print(f"Nothing to train: the checkpoint already holds {args.epochs} epoch(s)")
+        print(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
     metrics = {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
@@ -267,6 +270,13 @@ def resume(model, optimizer, args):
         print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
     print(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
+    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
+    # say --lr: --lr wins, as every other flag of a resumed run does.
+    saved_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
     return state["epoch"] + 1
 
 
@@ -343,7 +353,13 @@ def parse_args(argv=None):
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
     if args.threads is None:
-        args.threads = default_threads()
+        try:
+            args.threads = default_threads()
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
     return args
 
 
@@ -423,8 +439,8 @@ def positive_float(text):
 
 def default_threads():
     """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
-    if getenv("OMP_NUM_THREADS"):
-        return positive_int(getenv("OMP_NUM_THREADS"))
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
     return usable_cores()
 
 
@@ -587,6 +603,11 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
+    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
+    if os.name == "posix":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
 
 
@@ -595,4 +616,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+        traceback.print_exc()
+        exit_at_once(1)
     exit_at_once()

@@ -104,3 +104,30 @@ def test_atomic_save_leaves_the_previous_file_whole(tmp_path):
 def test_unwritable_checkpoint_folder_is_found_before_training(data_dir, tmp_path):
     result = train("convnet_undistributed.py", data_dir, tmp_path, "--checkpoint", tmp_path / "no" / "such" / "ck.pt")
     assert result.returncode == 2 and "--checkpoint" in result.stderr and "epoch: " not in result.stdout
+
+
+@pytest.mark.parametrize("script,processes", [("convnet_undistributed.py", 1), ("convnet_distributed.py", 2)])
+def test_a_resumed_run_takes_the_learning_rate_of_its_command_line(data_dir, tmp_path, script, processes):
+    """The optimizer's state restored the checkpoint's learning rate: `--resume --lr 0.1` trained on at 0.5, while
+    the checkpoint's args said 0.1."""
+    procs = ["--num-processes", processes] if processes > 1 else []
+    ck = tmp_path / "ck.pt"
+    first = train(script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, *procs)
+    assert first.returncode == 0, first.stderr
+    resumed = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", "--lr", 0.1, *procs)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("Learning rate 0.1 from --lr (the checkpoint had 0.5)\n") == 1, resumed.stdout
+    state = torch.load(ck, weights_only=True)
+    assert state["epoch"] == 1 and state["args"]["lr"] == 0.1
+    assert [group["lr"] for group in state["optimizer"]["param_groups"]] == [0.1]
+
+
+@pytest.mark.parametrize("script", ["convnet_undistributed.py", "convnet_distributed.py"])
+def test_nothing_to_train_names_the_epochs_the_checkpoint_holds(data_dir, tmp_path, script):
+    """It named --epochs: a checkpoint of 2 epochs resumed with --epochs 1 "already holds 1 epoch(s)"."""
+    ck = tmp_path / "ck.pt"
+    first = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck)
+    assert first.returncode == 0, first.stderr
+    again = train(script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "Nothing to train: the checkpoint already holds 2 epoch(s)\n" in again.stdout, again.stdout

@@ -11,7 +11,7 @@ import torch
 import convnet_distributed
 import convnet_distributed_cuda
 import convnet_undistributed
-from conftest import REPO, run_script, script_env
+from conftest import REPO, free_port, run_script, script_env
 
 ARTICLE_MULTI_MACHINE = "--num_machines=2 --num-processes 8 --machine_id=1 --epochs 1 --batch-size 16".split()
 
@@ -204,3 +204,28 @@ def test_default_threads_honour_slurm_cpus_per_task(clean_env, monkeypatch):
     assert convnet_distributed.parse_args(["--num-processes", "2"]).threads == 2
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")  # more than this machine has: the cores it has
     assert convnet_distributed.parse_args([]).threads == 16
+
+
+@pytest.mark.parametrize("module", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
+def test_omp_num_threads_as_a_list_per_nesting_level_gives_the_outer_count(clean_env, monkeypatch, module):
+    """OMP_NUM_THREADS=4,2 is valid OpenMP (4 threads, each nested region 2): it was a traceback."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
+    assert module.parse_args([]).threads == 4
+
+
+def test_omp_num_threads_as_a_list_lets_a_run_start(tmp_path):
+    result = run_script("convnet_distributed.py", "--check", "--master-port", free_port(), "--data-dir", tmp_path,
+                        env=script_env(OMP_NUM_THREADS="4,2"), timeout=60)  # fmt: skip
+    assert result.returncode == 0 and "Check passed" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("script,value", [("convnet_undistributed.py", "0"), ("convnet_distributed.py", "many")])
+def test_omp_num_threads_that_is_no_count_is_one_line_naming_it(tmp_path, script, value):
+    """A traceback of int() or positive_int once; now the parser's one line, naming the variable and the fix.
+    (libgomp, loaded with torch, may say "Invalid value" on a line of its own before it.)"""
+    result = run_script(script, "--data-dir", tmp_path, env=script_env(OMP_NUM_THREADS=value), timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    ours = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(ours) == 1 and f"OMP_NUM_THREADS={value!r} in the environment" in ours[0], result.stderr
+    assert "pass --threads" in ours[0] and result.stderr.splitlines()[-1] == ours[0]
+    assert not os.listdir(tmp_path)  # nothing started: no download

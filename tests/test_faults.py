@@ -481,3 +481,37 @@ def test_two_jobs_side_by_side_on_one_host_do_not_interfere(data_dir, tmp_path):
     a, b = read_json(tmp_path / "0.json"), read_json(tmp_path / "1.json")
     assert a["world_size"] == b["world_size"] == 2
     assert a["test_loss"] == b["test_loss"] and a["final_train_loss"] == b["final_train_loss"]
+
+
+BROKEN_OPTIMIZER = """
+import torch.optim
+
+def broken(*args, **kwargs):
+    raise ValueError("a bug in the training code")
+
+torch.optim.Adadelta = broken  # every rank meets it after joining its process group
+"""
+
+
+@pytest.mark.parametrize(
+    "script,processes,spawn",
+    [("convnet_undistributed.py", 1, False), ("convnet_distributed.py", 1, False),
+     ("convnet_distributed.py", 2, False), ("convnet_distributed.py", 2, True)],
+)  # fmt: skip
+def test_a_bug_in_a_rank_prints_its_traceback_and_leaves_at_once(data_dir, tmp_path, script, processes, spawn):
+    """An exception other than a stop or sys.exit skipped exit_at_once: the process tore its interpreter down with
+    its Gloo group kept (leave_group), which can abort it; in a worker, spawn's handler caught it and the launcher
+    printed its own traceback on top. Now each rank prints its traceback and leaves with status 1."""
+    (tmp_path / "sitecustomize.py").write_text(BROKEN_OPTIMIZER + TEARDOWN_WATCH.format(spawn=spawn))
+    torn_down = tmp_path / "torn_down"
+    env = script_env(PYTHONPATH=str(tmp_path), TORN_DOWN=str(torn_down))
+    if script == "convnet_undistributed.py":
+        proc = launch(script, "--data-dir", data_dir, env=env)
+    else:
+        proc = job(data_dir, processes=processes, env=env)
+    result = finish(proc, 120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("Traceback (most recent call last)") == processes, result.stderr
+    assert result.stderr.count("ValueError: a bug in the training code") == processes, result.stderr
+    assert "ProcessRaisedException" not in result.stderr, result.stderr
+    assert not torn_down.exists(), f"processes torn down: {torn_down.read_text().split()}"

@@ -223,3 +223,47 @@ def test_the_interrupt_line_after_an_epoch_says_the_checkpoint_holds_it(tmp_path
     assert convnet_undistributed.write_atomically(ck, lambda f: f.write(b"new")) is None
     assert convnet_undistributed.checkpoint_note(str(ck), before) == f"; {ck} holds the last complete epoch"
     assert convnet_undistributed.checkpoint_note(None, before) == ""
+
+
+C_PRINTF_THEN_EXIT = """
+import ctypes, sys
+sys.path.insert(0, {repo!r})
+import {module} as script
+ctypes.CDLL(None).printf(b"written by C's printf\\n")  # stdout is a file: C holds the line in its buffer
+script.exit_at_once(0)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="C's stdio is reached through CDLL(None) on POSIX systems only")
+@pytest.mark.parametrize("module", ["convnet_undistributed", "convnet_distributed", "convnet_distributed_cuda"])
+def test_leaving_at_once_keeps_what_c_code_buffered_in_stdio(tmp_path, module):
+    """exit_at_once leaves by os._exit, which dropped C's stdio buffers: NCCL_DEBUG=INFO's log, sent to a file,
+    lost its last block."""
+    out = tmp_path / "out.txt"
+    env = {k: v for k, v in script_env().items() if k != "PYTHONUNBUFFERED"}  # -u makes C's stdout unbuffered too
+    with open(out, "w") as f:
+        result = subprocess.run(
+            [sys.executable, "-c", C_PRINTF_THEN_EXIT.format(repo=REPO, module=module)],
+            stdout=f, stderr=subprocess.PIPE, text=True, env=env, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert out.read_text() == "written by C's printf\n"
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, convnet_distributed.Terminated])
+def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypatch, stop):
+    """Ctrl-C or SIGTERM midway through unpacking MNIST's images left their temporary file (47 MB) in the data
+    folder: only an Exception removed it."""
+    from conftest import FILES, write_dataset
+
+    raw = os.path.join(write_dataset(str(tmp_path), gz=True), "MNIST", "raw")
+    path = os.path.join(raw, "train-images-idx3-ubyte")
+
+    def stopped(src, dst):
+        dst.write(src.read(1000))  # midway
+        raise stop
+
+    monkeypatch.setattr(convnet_distributed.shutil, "copyfileobj", stopped)
+    with pytest.raises(stop):
+        convnet_distributed.unpack(path)
+    assert sorted(os.listdir(raw)) == sorted(name + ".gz" for name in FILES)  # the .gz files alone

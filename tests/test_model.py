@@ -71,6 +71,7 @@ SAME_IN_DISTRIBUTED = [
     "layout_line",
     "share_data",
     "shared_memory_plan",
+    "shortfall_line",
     "stop_signals_held",
     "let_stop_signals_through",
     "stop_with_launcher",

@@ -169,3 +169,22 @@ def test_two_machines_downloading_into_one_shared_folder(tmp_path):
         assert (shared / "MNIST" / "raw" / name).stat().st_size == sizes[name]
     assert [p for p in os.listdir(shared) if p.startswith(".download-")] == []  # private folders removed
     assert all(read_json(tmp_path / f"m{i}.json")["test_accuracy"] > 0.8 for i in range(2))
+
+
+def test_a_system_that_cannot_list_its_interfaces_leaves_gloo_its_own_choice(clean_env, monkeypatch):
+    """socket.if_nameindex() fails where netlink is missing or blocked (a sandbox), and it was called
+    outside the fallback: its OSError stopped every process before the process group was made."""
+
+    def no_netlink():
+        raise OSError(97, "Address family not supported by protocol")
+
+    monkeypatch.setattr(convnet_distributed.socket, "if_nameindex", no_netlink)
+    assert convnet_distributed.interface_addresses() is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # cannot be checked here: Gloo will say
+    convnet_distributed.check_gloo_socket_ifname()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    store = {}
+    fake_store = type("Store", (), {"set": lambda self, k, v: store.__setitem__(k, v), "get": lambda self, k: store[k]})
+    args = convnet_distributed.parse_args(["--master-port", "1"])
+    convnet_distributed.choose_gloo_interface(fake_store(), 0, 1, args)
+    assert "machine/0" in store and os.environ["GLOO_SOCKET_IFNAME"] == ""  # Gloo's own choice

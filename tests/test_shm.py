@@ -114,3 +114,52 @@ def test_eight_processes_train_in_a_containers_small_dev_shm(data_dir, tmp_path,
         assert len(shortfall) == 1 and "too little for the gradient average (18 MiB)" in shortfall[0], result.stdout
         assert m["allreduce"] == "gloo"
         assert "gradients averaged over Gloo" in result.stdout
+
+
+SHORT_OF_ROOM = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+import convnet_distributed as c
+
+# /dev/shm (1 MiB here) had the room when it was checked, and another job, started at the same time, took it since.
+c.SharedMemoryAverager.fits = staticmethod(lambda model, rank, world_size: True)
+c.averages_in_shared_memory = lambda args, world_size: True
+c.shared_memory_plan = lambda data, gradients: (True, True, None)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+ddp_model, allreduce, _ = c.data_parallel(c.ConvNet(), 0, 1, c.parse_args(["--master-port", "{port}"]))
+loss = torch.nn.functional.nll_loss(ddp_model(torch.randn(4, 1, 28, 28)), torch.zeros(4, dtype=torch.long))
+loss.backward()  # a step: its gradients averaged
+print("gradients averaged", allreduce, flush=True)
+data = (torch.ones(1000), torch.ones(3 << 20, dtype=torch.uint8))  # the first fits, the second does not
+print("data shared", c.share_data(data), [t.is_shared() for t in data], flush=True)
+print("left in /dev/shm", os.listdir("/dev/shm"), flush=True)
+c.leave_group()
+c.exit_at_once()
+"""
+
+
+@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+def test_room_taken_in_dev_shm_after_the_check_is_one_line_not_a_sigbus(tmp_path):
+    """Jobs started together in one container each found room in /dev/shm (statvfs), then filled it together: the
+    averager's file was sparse, and the first step's gradients killed the process with SIGBUS. The room is reserved
+    now as the file is made (posix_fallocate), and the data's (torch's share_memory_ reserves it) before the workers
+    start: a shortfall there is one line, and the gradients go over Gloo, or each worker loads its own copy."""
+    (tmp_path / "short.py").write_text(SHORT_OF_ROOM.format(repo=REPO, port=free_port()))
+    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", mount, "sh", sys.executable, str(tmp_path / "short.py")],
+        capture_output=True, text=True, env=script_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)  # -7: SIGBUS
+    advice = "; for more, run the container with --shm-size=1g (Docker), or mount an emptyDir with medium: Memory at "
+    advice += "/dev/shm (Kubernetes)"
+    assert result.stdout.splitlines() == [
+        "/dev/shm has 1 MiB free, too little for the gradient average (2 MiB): gradients are averaged over Gloo"
+        + advice,
+        "gradients averaged gloo",
+        f"/dev/shm has 1 MiB free, too little for the data (3 MiB): each process loads its own copy{advice}",
+        "data shared False [False, False]",
+        "left in /dev/shm []",
+    ], result.stderr
