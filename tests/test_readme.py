@@ -1,5 +1,7 @@
-"""The README's commands are the ones that work: every script command parses, and CI runs its test command."""
+"""The documented commands are the ones that work: every script command in README.md, docs/ and bench/README.md
+parses, CI runs the README's test command, the README stays short and every relative link leads somewhere."""
 
+import glob
 import os
 import re
 import shlex
@@ -12,16 +14,35 @@ import convnet_undistributed
 from conftest import REPO
 
 MODULES = {m.__name__ + ".py": m for m in (convnet_undistributed, convnet_distributed, convnet_distributed_cuda)}
+README_MAX_LINES = 160
 
 
-def readme():
-    with open(os.path.join(REPO, "README.md")) as f:
+def read(path):
+    with open(os.path.join(REPO, path)) as f:
         return f.read()
 
 
+def readme():
+    return read("README.md")
+
+
+def pages():
+    """Every page that shows commands or links: README.md, docs/*.md, bench/README.md (relative to REPO)."""
+    docs = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+    return ["README.md", *docs, os.path.join("bench", "README.md")]
+
+
+def section(text, heading):
+    """The text under `heading` (a whole line, "## ..."), up to the next heading of the same level or higher."""
+    level = heading.split(" ")[0]
+    parts = re.split(rf"^{re.escape(heading)}$", text, flags=re.M)
+    assert len(parts) == 2, f"one {heading!r} expected"
+    return re.split(rf"^#{{1,{len(level)}}} ", parts[1], flags=re.M)[0]
+
+
 def commands():
-    """Every `python convnet_*.py ...` command in the README and in the scripts' docstrings."""
-    texts = [readme()] + [m.__doc__ for m in MODULES.values()]
+    """Every `python convnet_*.py ...` command in the pages and in the scripts' docstrings."""
+    texts = [read(page) for page in pages()] + [m.__doc__ for m in MODULES.values()]
     found = []
     for text in texts:
         for line in text.splitlines():
@@ -32,7 +53,7 @@ def commands():
     return found
 
 
-def test_readme_and_docstrings_have_the_launch_commands():
+def test_pages_and_docstrings_have_the_launch_commands():
     scripts = {script for script, _ in commands()}
     assert scripts == set(MODULES)
     assert len(commands()) > 20
@@ -52,11 +73,66 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_several_machines_section_runs_what_the_namespace_tests_run():
-    """The README's two-machine commands use the flags tests/test_multihost.py launches with, and no others."""
-    section = readme().split("## Running on several machines")[1].split("\n## ")[0]
+    """The two-machine commands (the README's section and docs/launching.md but its GPU section, whose script
+    tests/test_multihost.py does not launch) use the flags tests/test_multihost.py launches with, and no others."""
+    launching = read(os.path.join("docs", "launching.md"))
+    sections = [section(readme(), "## Two machines"), launching.replace(section(launching, "## GPUs"), "")]
     with open(os.path.join(REPO, "tests", "test_multihost.py")) as f:
         tested = set(re.findall(r'"(--[a-z-]+)"', f.read()))
-    for line in section.splitlines():
+    checked = 0
+    for line in "\n".join(sections).splitlines():
         if ("convnet_distributed.py" in line and "--nnodes" in line) or "--num-machines 2" in line:
             used = set(re.findall(r"(--[a-z-]+)", line)) - {"--epochs", "--checkpoint", "--resume", "--max-restarts"}
             assert used <= tested, (line, used - tested)
+            checked += 1
+    assert checked >= 6  # the README's --check and real run, its two torchrun lines, restarts, elastic, SLURM
+
+
+def test_readme_is_short():
+    lines = readme().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lowercase, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path):
+    found, in_fence = set(), False
+    for line in read(path).splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading and not in_fence:
+            base = slug(heading[1])
+            name, n = base, 0
+            while name in found:  # GitHub numbers repeated headings: name, name-1, name-2...
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def links():
+    """(page, target) for every relative link or image in README.md and docs/*.md, code spans left out."""
+    found = []
+    for page in pages()[:-1]:
+        text = re.sub(r"`[^`\n]*`", "", read(page))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if not re.match(r"[a-z]+:", target):
+                found.append((page, target))
+    return found
+
+
+def test_pages_have_links():
+    assert {page for page, _ in links()} == set(pages()[:-1])
+
+
+@pytest.mark.parametrize("page,target", links())
+def test_every_relative_link_leads_somewhere(page, target):
+    path, _, anchor = target.partition("#")
+    path = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+    assert os.path.exists(os.path.join(REPO, path)), f"{page}: {target}: no {path}"
+    if anchor and path.endswith(".md"):
+        assert anchor in anchors(path), f"{page}: {target}: no heading #{anchor} in {path}"
