@@ -110,7 +110,7 @@ def test_srun_with_uneven_tasks_per_node(clean_env, monkeypatch):
 
 
 def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, monkeypatch, capsys):
-    """The README's recipe without --num-machines and --machine-id: SLURM gives both, the flag the processes."""
+    """The SLURM recipe (docs/launching.md) without --num-machines and --machine-id: SLURM gives both."""
     env = dict(
         SRUN_2X2, SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)"
     )

@@ -569,7 +569,7 @@ def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
         ]
 
     # torch's agents share one TCP store and publish machine 0's address only at their first rendezvous: a node
-    # joining later waits for it forever (torch 2.14). The README tells users to set this for a group that grows.
+    # joining later waits for it forever (torch 2.14). docs/launching.md tells users to set this for a group that grows.
     env = {**env_without_interface(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     node0 = Machine("torchrun0", network.ns_a, argv(0), env, tmp_path, "node0")
     deadline = time.monotonic() + ELASTIC_SECONDS
@@ -628,7 +628,7 @@ MPI_SECONDS = 120  # one mpirun job of 4 ranks on two hosts; about 20 s on 2 cor
 
 @pytest.mark.timeout(2 * MPI_SECONDS + 60)
 def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
-    """The README's mpirun line across machines, -H node0:2,node1:2: Open MPI starts node1's daemon through its rsh
+    """The mpirun line of docs/launching.md, -H node0:2,node1:2: Open MPI starts node1's daemon through its rsh
     agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's address every
     rank stops with one line and nothing trains; with -x MASTER_ADDR=node0 the 4 ranks are one group."""
     if not shutil.which("mpirun"):

@@ -1,7 +1,7 @@
-"""The README's SLURM recipe under a real SLURM: a slurmctld, and one slurmd per "node", each node a network
+"""docs/launching.md's SLURM recipe under a real SLURM: a slurmctld, and one slurmd per "node", each node a network
 namespace of its own with its own host name, the two joined by a veth pair.
 
-The batch script is the README's, with values for this machine: one CPU per task, one process per node, a small
+The batch script is docs/launching.md's, with values for this machine: one CPU per task, one process per node, a small
 batch, the generated data, a free master port. One job trains across both nodes; a second one, with --checkpoint
 --resume, is scancel'ed mid-epoch, and the same script submitted again continues from its checkpoint.
 
@@ -38,7 +38,7 @@ KILL_WAIT = 10  # slurm.conf KillWait: seconds from scancel's SIGTERM to SIGKILL
 PEER_TIMEOUT = 60  # the script's --timeout: how long a process waits for its peers
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
-# The README's recipe, with this machine's values: both "nodes" share its 2 cores, so one process of one thread
+# docs/launching.md's recipe, with this machine's values: both "nodes" share its 2 cores, so one process of one thread
 # each (the script's default, the usable cores over the processes, would put 2 threads on each: 4 on 2 cores).
 BATCH_SCRIPT = """\
 #!/bin/bash
@@ -488,7 +488,7 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
 
 
 # srun starts every process itself, one task per process, with no MASTER_ADDR, MASTER_PORT or --machine-id: machine 0
-# is the first node of node[0-1], the port one of this job's. Then the README's short recipe, one task per node.
+# is the first node of node[0-1], the port one of this job's. Then docs/launching.md's short recipe, one task per node.
 # The batch shell is no task: it has the job's variables, none of a step's.
 TASKS_SCRIPT = """\
 #!/bin/bash
