@@ -63,11 +63,18 @@ from torch.utils.data.distributed import DistributedSampler
 # and are torn down at interpreter exit, which can abort the process after a finished run.
 from torchvision import datasets
 
-# ---- 1. Constants -------------------------------------------------------------------------------------------
+# ---- 1. Constants ---------------------------------------------------------------------------------------------
+
 
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
+
+
 TEST_BATCH_SIZE = 1000  # test images per forward pass: a GPU does a large batch in about the time of a small one
+
+
 RESOLVE_SECONDS = 30  # how long --master-addr may take to resolve: DNS records of new pods appear in seconds
+
+
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
@@ -75,7 +82,7 @@ DATASETS = {
 }
 
 
-# ---- 2. The model -------------------------------------------------------------------------------------------
+# ---- 2. The model ---------------------------------------------------------------------------------------------
 
 
 class ConvNet(nn.Module):
@@ -101,29 +108,11 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# ---- 3. Data ------------------------------------------------------------------------------------------------
+# ---- 3. Data --------------------------------------------------------------------------------------------------
 
 
 def raw_folder(args):
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
-
-
-def unpack(path):
-    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
-    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
-    part = None
-    try:
-        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
-        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
-            shutil.copyfileobj(src, dst)
-        os.chmod(part, plain_file_mode(path))
-        os.replace(part, path)
-    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
-        if part and os.path.exists(part):
-            os.unlink(part)
-        if not isinstance(e, Exception):
-            raise  # a stop, not a damaged file: the run stops as it would anywhere else
-        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
 
 
 def prepare_data(args):
@@ -137,28 +126,6 @@ def prepare_data(args):
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
     download(args, names)
-
-
-def download(args, names):
-    """Download the data set into a folder of this process's own, then rename each file into place: machines
-    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
-    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
-    os.makedirs(folder, exist_ok=True)
-    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
-    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
-    try:
-        cls(private, download=True)
-        for name in names:  # a rename within one file system is atomic, NFS included
-            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
-    except Exception as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        sys.exit(
-            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
-        )
-    finally:
-        socket.setdefaulttimeout(None)
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def load_data(args):
@@ -186,7 +153,7 @@ def epoch_batches(sampler, epoch, batch_size, device):
     return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
 
 
-# ---- 4. Train and evaluate ----------------------------------------------------------------------------------
+# ---- 4. Train and evaluate ------------------------------------------------------------------------------------
 
 
 def train(model, optimizer, data, rank, world_size, args):
@@ -276,7 +243,7 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
-# ---- 5. Process group and DDP -------------------------------------------------------------------------------
+# ---- 5. Process group and DDP ---------------------------------------------------------------------------------
 # Every process runs worker(): it joins the process group, builds its own copy of the model and trains it on its
 # shard. DistributedDataParallel averages the gradients inside backward(): every copy takes the same step.
 
@@ -360,12 +327,6 @@ def select_device(local_rank):
     return torch.device("cuda", local_rank)
 
 
-def print0(message):
-    """Print on rank 0 only: one log for the whole job, not one per process."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
 def layout_line(world_size, args, averaging):
     """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
     sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
@@ -378,11 +339,13 @@ def layout_line(world_size, args, averaging):
     )
 
 
-def plural(n, word):
-    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
+def print0(message):
+    """Print on rank 0 only: one log for the whole job, not one per process."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
-# ---- 6. Checkpoint and metrics ------------------------------------------------------------------------------
+# ---- 6. Checkpoint and metrics --------------------------------------------------------------------------------
 
 
 def save_checkpoint(model, optimizer, epoch, args, compression=None):
@@ -394,16 +357,6 @@ def save_checkpoint(model, optimizer, epoch, args, compression=None):
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }  # fmt: skip
     save0(args.checkpoint, lambda f: torch.save(state, f))
-
-
-def save0(path, write):
-    """Rank 0 writes path whole, or not at all (write_atomically); where it cannot, every rank stops, rank 0 with
-    the one line that says why."""
-    rank = dist.get_rank()
-    error = [write_atomically(path, write) if rank == 0 else None]
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        sys.exit(error[0] if rank == 0 else 1)
 
 
 def resume(model, optimizer, args, compression=None):
@@ -442,21 +395,6 @@ def resume(model, optimizer, args, compression=None):
     return state["epoch"] + 1
 
 
-def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
-        return None
-    try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
-    if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
-    return state
-
-
 def report(metrics, args):
     """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
     print0(
@@ -468,26 +406,7 @@ def report(metrics, args):
     print0(f"Finished training in {metrics['train_seconds']:.2f} secs")
 
 
-def peak_memory_per_rank(device):
-    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
-    peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
-    mine = torch.tensor([-1.0 if peak is None else peak], dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.item() if t.item() >= 0 else None for t in everyone]
-
-
-def peak_memory_mib():
-    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
-
-
-# ---- 7. Launch and command line -----------------------------------------------------------------------------
+# ---- 7. Launch and command line -------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -520,55 +439,6 @@ def main(argv=None):
         if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
             print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
         sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
-
-
-def run_workers(args, data, nprocs):
-    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
-    # spawn logs every stop it makes; the failed worker's own message says more.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    try:
-        if start_method() == "spawn" and os.name == "posix":
-            resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
-        with stop_signals_held() as held:
-            context = mp.start_processes(
-                spawned_worker, args=(args, data, held), nprocs=nprocs, join=False, start_method=start_method()
-            )
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as e:
-        if e.exit_code == 130:
-            raise KeyboardInterrupt from None
-        if e.exit_code == 143 or e.signal_name == "SIGTERM":
-            raise Terminated from None
-        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
-        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
-        rank = placement(args, e.error_index)[0]
-        sys.exit(
-            1
-            if e.exit_code == 1
-            else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
-        )
-    finally:
-        stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
-
-
-def spawned_worker(local_rank, args, data, held):
-    mask, ctrl_c = held
-    stop_on_signals(ctrl_c)
-    stop_with_launcher()
-    try:
-        let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
-        worker(local_rank, args, data)
-    except KeyboardInterrupt:
-        exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
-    except Terminated:
-        exit_at_once(143)
-    except SystemExit as e:
-        exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
-        traceback.print_exc()
-        exit_at_once(1)
-    exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
 def placement(args, local_rank):
@@ -610,14 +480,6 @@ def parse_args(argv=None):
     # Processes on each machine: the flags say so; under a launcher the roll call counts them.
     args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
     return args
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """A mistake on the command line gets one line naming the flag, not a usage block first."""
-        for action in self._actions:  # a flag with two spellings is named by the first: --batch-size
-            message = message.replace("/".join(action.option_strings), action.option_strings[0])
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser():
@@ -733,6 +595,25 @@ def build_parser():
     return p
 
 
+# ===============================================================================================================
+# Machinery: what makes the story above fail clearly and run fast. A first reading may skip it. Its rooms:
+#   M1. This script's layout: flags, else the launcher's, else every GPU
+#   M2. GPUs and NCCL
+#   and the shared block, word for word the same in the other distributed script:
+#   S1. Launchers: who started this process, and the layout it says
+#   S2. Rendezvous and roll call: one job, one decision
+#   S3. Compression for slow links
+#   S4. Files: whole or not at all
+#   S5. Room in /dev/shm
+#   S6. Processes, signals and exit
+#   S7. Memory and layout speed-ups
+#   S8. Command-line values and words
+# ===============================================================================================================
+
+
+# ---- M1. This script's layout: flags, else the launcher's, else every GPU -------------------------------------
+
+
 def fill_layout(parser, args):
     """Machines, processes, this machine's id and machine 0's address and port: the flags, else what the launcher
     that started this process says (launcher_layout), else one process on one machine. A flag that says otherwise
@@ -781,58 +662,71 @@ def fill_layout(parser, args):
         )
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def start_method():
+    """spawn: CUDA cannot be used in a forked child of a process that has touched it, as the launcher has
+    (it counted the GPUs)."""
+    return "spawn"
 
 
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
-    return value
+# ---- M2. GPUs and NCCL ----------------------------------------------------------------------------------------
 
 
-def host(text):
-    """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+def one_gpu_each(store, rank, world_size, args):
+    """NCCL needs a GPU of its own for each process: two on one GPU fail in NCCL ("Duplicate GPU detected"), which
+    came out as a lost contact. Each rank says which GPU it took, and rank 0 names two that share one, before NCCL
+    starts; every process then stops with that line. RANK and WORLD_SIZE without LOCAL_RANK make each process a
+    machine of its own, on cuda:0: several of them on one host share it."""
+    index = torch.cuda.current_device()
+    # The GPU's UUID tells two GPUs apart where each process sees its own as cuda:0; torch 2.4 has none: no check.
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
+    store.set(f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index}))
+    if rank == 0:
+        keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
+        store.wait(keys)  # every rank has joined (the roll call, or torchrun's rendezvous): at once
+        for other in (json.loads(store.get(key)) for key in keys):
+            first = seen.setdefault((other["host"], other["gpu"]), other)
+            if other["gpu"] is not None and first is not other:
+                line = (
+                    f"error: ranks {first['rank']} and {other['rank']} share one GPU (cuda:{first['index']} on "
+                    f"{first['host']}): NCCL needs one GPU per process: start at most one process per GPU, and "
+                    "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+                )
+                break
+        store.set("gpus", line)
+    line = store.get("gpus").decode()
+    if line:
+        stop_job(None, rank, args, line)
 
 
-def port(text):
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
-    return value
+def keep_nccl_on_loopback(world_size, args):
+    """A job on one machine: NCCL's bootstrap, unauthenticated, listens on loopback, not on the first interface
+    NCCL finds (its GPUs talk over NVLink, PCIe or shared memory, not sockets). NCCL_SOCKET_IFNAME set by the
+    user wins."""
+    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
 
 
-def default_threads(processes_per_machine):
-    """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
-    out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
-    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
-        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
-    return max(1, usable_cores() // processes_per_machine)
+def match_gradient_strides(model):
+    """Hand DDP each gradient in its parameter's exact strides. cuDNN returns conv1's weight gradient
+    (16x1x3x3) with another stride for its size-1 input channel: the same memory, but DDP compares strides,
+    warns ("Grad strides do not match bucket view strides") and copies. Restating the strides is free."""
+    for p in model.parameters():
+        if 1 in p.shape:
+            p.register_hook(lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad)
 
 
-def usable_cores():
-    """The cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere every core), capped at
-    SLURM_CPUS_PER_TASK where set: under SLURM's task/none nothing pins a task to the cores it was given."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    slurm = getenv("SLURM_CPUS_PER_TASK", "")
-    return min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores
+def same_memory(a, b):
+    """Same sizes and strides on every dimension longer than 1: element (i, j, ...) at the same offset in both."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
-def getenv(name, default=None):
-    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
-    to torchrun and most launchers."""
-    return os.environ.get(name) or default
+# ===============================================================================================================
+# Shared block: word for word the same in convnet_distributed.py and convnet_distributed_cuda.py (tests/test_model.py
+# compares the two). An edit here goes into both.
+# ===============================================================================================================
 
 
-# ---- Robustness and speed machinery (can be skipped on a first reading) -------------------------------------
-# What makes the story above fail clearly and run fast: a rendezvous that names a missing machine, the host
-# allocator kept warm, a layout fix for max-pool's backward, what fits in /dev/shm, and stopping every process
-# on SIGTERM.
+# ---- S1. Launchers: who started this process, and the layout it says ------------------------------------------
 
 
 # Each launcher that starts the processes itself, how it is recognised (every variable of marked_by set; the first
@@ -949,6 +843,9 @@ def expand_counts(text):
     return counts
 
 
+# ---- S2. Rendezvous and roll call: one job, one decision ------------------------------------------------------
+
+
 def rendezvous(rank, world_size, args):
     """The store every process of the job meets at, and its roll call (roll_call): a machine that never starts is
     reported after --timeout, a process that does not belong within seconds."""
@@ -975,6 +872,102 @@ def rendezvous(rank, world_size, args):
     return store
 
 
+def open_store(rank, world_size, args, deadline):
+    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
+    where = f"{args.master_addr}:{args.master_port}"
+    resolve(args.master_addr, rank, deadline)
+    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
+        try:
+            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                sys.exit(
+                    f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
+                    f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
+                    "--master-port and the firewall"
+                )
+            time.sleep(0.5)
+    try:
+        listener = loopback_listener(args) if rank == 0 else None
+        store = functools.partial(
+            dist.TCPStore,
+            args.master_addr,
+            args.master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=args.timeout),
+            wait_for_workers=False,
+            master_listen_fd=listener,
+        )
+        try:
+            return store()
+        except NotImplementedError:  # torch 2.4's libuv server takes no listening socket; its older server does
+            return store(use_libuv=False)
+    except (dist.DistError, OSError) as e:
+        if rank == 0:
+            rank0_started_twice(world_size, args)
+            sys.exit(
+                f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
+                "the port; choose a free --master-port"
+            )
+        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def rank0_started_twice(world_size, args):
+    """Rank 0 cannot serve the rendezvous: if this job's own rank 0 serves it (the same flags, another launch: a
+    --machine-id 0 given twice, or left out), every process of the job stops, naming it, not after --timeout."""
+    with contextlib.suppress(dist.DistError, OSError, ValueError):
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
+                              timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+        first, me = json.loads(store.get("job")), record(0, world_size, args)
+        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
+            stop_job(store, 0, args, twice(0, first, me, args))
+
+
+def loopback_listener(args):
+    """A socket for the rendezvous to serve on, bound to --master-addr:--master-port, where every process is on
+    this machine and --master-addr is loopback: TCPStore would listen on every interface, and the store carries
+    no authentication. Returns its file descriptor, which TCPStore then owns. None otherwise: other machines, or
+    a --master-addr given to expose the job, reach it at an address this machine cannot tell (TCPStore listens
+    on every interface); and on Windows, where a given socket is untested."""
+    if args.num_machines > 1 or os.name != "posix":
+        return None
+    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+    if not all(is_loopback(address[0]) for *_, address in found):
+        return None
+    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
+                listener.bind(address)
+                return listener.detach()
+        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
+                raise
+
+
+def resolve(name, rank, deadline):
+    """Wait until name resolves: a new pod's or node's DNS record can take seconds to appear. A name that
+    still does not resolve after RESOLVE_SECONDS (or --timeout, if shorter) is a mistake: say so."""
+    give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
+    while True:
+        try:
+            return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            if time.monotonic() > give_up:
+                sys.exit(
+                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine 0's "
+                    "address, or a name every machine resolves (check /etc/hosts and DNS)"
+                )
+            time.sleep(0.5)
+
+
+def is_loopback(address):
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
 # One job, one decision. What changes the computation, or what travels between the processes, must be the same on
 # every machine (the first three are the layout, which a launcher decides where one started the job). What rank 0
 # writes is taken from its command on every rank, so that every rank enters the same collectives: machine 0 alone
@@ -982,7 +975,11 @@ def rendezvous(rank, world_size, args):
 # and how it reaches machine 0.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size", "epochs",
              "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model")  # fmt: skip
+
+
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
+
+
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
 
 
@@ -1152,135 +1149,7 @@ def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def open_store(rank, world_size, args, deadline):
-    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
-    where = f"{args.master_addr}:{args.master_port}"
-    resolve(args.master_addr, rank, deadline)
-    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
-        try:
-            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                sys.exit(
-                    f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
-                    f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
-                    "--master-port and the firewall"
-                )
-            time.sleep(0.5)
-    try:
-        listener = loopback_listener(args) if rank == 0 else None
-        store = functools.partial(
-            dist.TCPStore,
-            args.master_addr,
-            args.master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=args.timeout),
-            wait_for_workers=False,
-            master_listen_fd=listener,
-        )
-        try:
-            return store()
-        except NotImplementedError:  # torch 2.4's libuv server takes no listening socket; its older server does
-            return store(use_libuv=False)
-    except (dist.DistError, OSError) as e:
-        if rank == 0:
-            rank0_started_twice(world_size, args)
-            sys.exit(
-                f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
-                "the port; choose a free --master-port"
-            )
-        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
-
-
-def rank0_started_twice(world_size, args):
-    """Rank 0 cannot serve the rendezvous: if this job's own rank 0 serves it (the same flags, another launch: a
-    --machine-id 0 given twice, or left out), every process of the job stops, naming it, not after --timeout."""
-    with contextlib.suppress(dist.DistError, OSError, ValueError):
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
-                              timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
-        first, me = json.loads(store.get("job")), record(0, world_size, args)
-        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
-            stop_job(store, 0, args, twice(0, first, me, args))
-
-
-def loopback_listener(args):
-    """A socket for the rendezvous to serve on, bound to --master-addr:--master-port, where every process is on
-    this machine and --master-addr is loopback: TCPStore would listen on every interface, and the store carries
-    no authentication. Returns its file descriptor, which TCPStore then owns. None otherwise: other machines, or
-    a --master-addr given to expose the job, reach it at an address this machine cannot tell (TCPStore listens
-    on every interface); and on Windows, where a given socket is untested."""
-    if args.num_machines > 1 or os.name != "posix":
-        return None
-    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
-    if not all(is_loopback(address[0]) for *_, address in found):
-        return None
-    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as listener:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
-                listener.bind(address)
-                return listener.detach()
-        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
-            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
-                raise
-
-
-def is_loopback(address):
-    ip = ipaddress.ip_address(address)
-    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
-
-
-def one_gpu_each(store, rank, world_size, args):
-    """NCCL needs a GPU of its own for each process: two on one GPU fail in NCCL ("Duplicate GPU detected"), which
-    came out as a lost contact. Each rank says which GPU it took, and rank 0 names two that share one, before NCCL
-    starts; every process then stops with that line. RANK and WORLD_SIZE without LOCAL_RANK make each process a
-    machine of its own, on cuda:0: several of them on one host share it."""
-    index = torch.cuda.current_device()
-    # The GPU's UUID tells two GPUs apart where each process sees its own as cuda:0; torch 2.4 has none: no check.
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
-    store.set(f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index}))
-    if rank == 0:
-        keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
-        store.wait(keys)  # every rank has joined (the roll call, or torchrun's rendezvous): at once
-        for other in (json.loads(store.get(key)) for key in keys):
-            first = seen.setdefault((other["host"], other["gpu"]), other)
-            if other["gpu"] is not None and first is not other:
-                line = (
-                    f"error: ranks {first['rank']} and {other['rank']} share one GPU (cuda:{first['index']} on "
-                    f"{first['host']}): NCCL needs one GPU per process: start at most one process per GPU, and "
-                    "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
-                )
-                break
-        store.set("gpus", line)
-    line = store.get("gpus").decode()
-    if line:
-        stop_job(None, rank, args, line)
-
-
-def keep_nccl_on_loopback(world_size, args):
-    """A job on one machine: NCCL's bootstrap, unauthenticated, listens on loopback, not on the first interface
-    NCCL finds (its GPUs talk over NVLink, PCIe or shared memory, not sockets). NCCL_SOCKET_IFNAME set by the
-    user wins."""
-    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
-        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
-
-
-def resolve(name, rank, deadline):
-    """Wait until name resolves: a new pod's or node's DNS record can take seconds to appear. A name that
-    still does not resolve after RESOLVE_SECONDS (or --timeout, if shorter) is a mistake: say so."""
-    give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
-    while True:
-        try:
-            return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            if time.monotonic() > give_up:
-                sys.exit(
-                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine 0's "
-                    "address, or a name every machine resolves (check /etc/hosts and DNS)"
-                )
-            time.sleep(0.5)
+# ---- S3. Compression for slow links ---------------------------------------------------------------------------
 
 
 # --compress powersgd: the rank of the low-rank approximation, and the plain averages before it starts (DDP
@@ -1430,61 +1299,149 @@ def network_cost(device, args):
     return line
 
 
-def keep_freed_memory():
-    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
-    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
-    jemalloc or tcmalloc do the same)."""
+# ---- S4. Files: whole or not at all ---------------------------------------------------------------------------
+
+
+def unpack(path):
+    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
+    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
+    part = None
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
+        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
+            shutil.copyfileobj(src, dst)
+        os.chmod(part, plain_file_mode(path))
+        os.replace(part, path)
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
+        if part and os.path.exists(part):
+            os.unlink(part)
+        if not isinstance(e, Exception):
+            raise  # a stop, not a damaged file: the run stops as it would anywhere else
+        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
+
+
+def download(args, names):
+    """Download the data set into a folder of this process's own, then rename each file into place: machines
+    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    os.makedirs(folder, exist_ok=True)
+    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
+    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
+    try:
+        cls(private, download=True)
+        for name in names:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        sys.exit(
+            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
+            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
+        )
+    finally:
+        socket.setdefaulttimeout(None)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+def save0(path, write):
+    """Rank 0 writes path whole, or not at all (write_atomically); where it cannot, every rank stops, rank 0 with
+    the one line that says why."""
+    rank = dist.get_rank()
+    error = [write_atomically(path, write) if rank == 0 else None]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        sys.exit(error[0] if rank == 0 else 1)
+
+
+def write_atomically(path, write):
+    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
+    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
+    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
+    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
+    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
+    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
+    buffer, temporary = io.BytesIO(), None
+    write(buffer)
+    try:
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, plain_file_mode(path))
+        os.replace(temporary, path)
+        temporary = None
+        sync_folder(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        cause = e.strerror or str(e)
+        return (
+            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
+        )
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return None
+
+
+def plain_file_mode(path):
+    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
     except OSError:
-        return  # not glibc: its allocator keeps its own counsel
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+        umask = os.umask(0o022)  # the umask is read by setting it
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
-def release_freed_memory():
-    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
-    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+def sync_folder(folder):
+    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def file_version(path):
+    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing was kept
+        found = os.stat(path)
+    except (OSError, TypeError):
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
 
 
-def match_gradient_strides(model):
-    """Hand DDP each gradient in its parameter's exact strides. cuDNN returns conv1's weight gradient
-    (16x1x3x3) with another stride for its size-1 input channel: the same memory, but DDP compares strides,
-    warns ("Grad strides do not match bucket view strides") and copies. Restating the strides is free."""
-    for p in model.parameters():
-        if 1 in p.shape:
-            p.register_hook(lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad)
+def checkpoint_note(path, before):
+    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
+    if path is None:
+        return ""
+    now = file_version(path)
+    if now is None:
+        return f"; no epoch completed, so nothing was saved to {path}"
+    if now == before:
+        return f"; no epoch completed since this launch: {path} is as it was before"
+    return f"; {path} holds the last complete epoch"
 
 
-def same_memory(a, b):
-    """Same sizes and strides on every dimension longer than 1: element (i, j, ...) at the same offset in both."""
-    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
-
-
-def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
-    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
-    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
-    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
-    output."""
-
-    def on_pooled(module, inputs):
-        pooled = inputs[0]
-        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
-            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
-
-    model.dropout1.register_forward_pre_hook(on_pooled)
-
-
-def last_line(error):
-    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
-    return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
+# ---- S5. Room in /dev/shm -------------------------------------------------------------------------------------
 
 
 def share_data(data, gradients=0):
@@ -1547,10 +1504,56 @@ def shortfall_line(left_out, free=None):
     )
 
 
-def start_method():
-    """spawn: CUDA cannot be used in a forked child of a process that has touched it, as the launcher has
-    (it counted the GPUs)."""
-    return "spawn"
+# ---- S6. Processes, signals and exit --------------------------------------------------------------------------
+
+
+def run_workers(args, data, nprocs):
+    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
+    # spawn logs every stop it makes; the failed worker's own message says more.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        if start_method() == "spawn" and os.name == "posix":
+            resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
+        with stop_signals_held() as held:
+            context = mp.start_processes(
+                spawned_worker, args=(args, data, held), nprocs=nprocs, join=False, start_method=start_method()
+            )
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 130:
+            raise KeyboardInterrupt from None
+        if e.exit_code == 143 or e.signal_name == "SIGTERM":
+            raise Terminated from None
+        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
+        rank = placement(args, e.error_index)[0]
+        sys.exit(
+            1
+            if e.exit_code == 1
+            else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
+        )
+    finally:
+        stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
+
+
+def spawned_worker(local_rank, args, data, held):
+    mask, ctrl_c = held
+    stop_on_signals(ctrl_c)
+    stop_with_launcher()
+    try:
+        let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
+        worker(local_rank, args, data)
+    except KeyboardInterrupt:
+        exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
+    except Terminated:
+        exit_at_once(143)
+    except SystemExit as e:
+        exit_at_once(e.code)
+    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
+        traceback.print_exc()
+        exit_at_once(1)
+    exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
 class Terminated(BaseException):
@@ -1633,80 +1636,6 @@ def stop_workers(processes):
             process.join()
 
 
-def write_atomically(path, write):
-    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
-    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
-    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
-    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
-    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
-    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
-    buffer, temporary = io.BytesIO(), None
-    write(buffer)
-    try:
-        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temporary, plain_file_mode(path))
-        os.replace(temporary, path)
-        temporary = None
-        sync_folder(os.path.dirname(os.path.abspath(path)))
-    except OSError as e:
-        cause = e.strerror or str(e)
-        return (
-            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
-        )
-    finally:
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-    return None
-
-
-def plain_file_mode(path):
-    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0o022)  # the umask is read by setting it
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def sync_folder(folder):
-    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
-    if os.name != "posix":
-        return
-    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
-    try:
-        found = os.stat(path)
-    except (OSError, TypeError):
-        return None
-    return found.st_ino, found.st_mtime_ns, found.st_size
-
-
-def checkpoint_note(path, before):
-    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
-    if path is None:
-        return ""
-    now = file_version(path)
-    if now is None:
-        return f"; no epoch completed, so nothing was saved to {path}"
-    if now == before:
-        return f"; no epoch completed since this launch: {path} is as it was before"
-    return f"; {path} holds the last complete epoch"
-
-
 def leave_group():
     """destroy_process_group(), the group's memory left to the process's exit: on torch 2.4, freeing a Gloo group
     can deadlock in its destructor, joining a thread that waits for a lock (a run that printed its last line,
@@ -1734,6 +1663,139 @@ def exit_at_once(status=0):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
+
+
+# ---- S7. Memory and layout speed-ups --------------------------------------------------------------------------
+
+
+def keep_freed_memory():
+    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
+    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
+    jemalloc or tcmalloc do the same)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator keeps its own counsel
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+
+
+def release_freed_memory():
+    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
+    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing was kept
+
+
+def keep_pool_gradient_channels_last(model):
+    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
+    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
+    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
+    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
+    output."""
+
+    def on_pooled(module, inputs):
+        pooled = inputs[0]
+        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
+            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+
+    model.dropout1.register_forward_pre_hook(on_pooled)
+
+
+def peak_memory_per_rank(device):
+    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
+    peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
+    mine = torch.tensor([-1.0 if peak is None else peak], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.item() if t.item() >= 0 else None for t in everyone]
+
+
+def peak_memory_mib():
+    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+
+
+# ---- S8. Command-line values and words ------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """A mistake on the command line gets one line naming the flag, not a usage block first."""
+        for action in self._actions:  # a flag with two spellings is named by the first: --batch-size
+            message = message.replace("/".join(action.option_strings), action.option_strings[0])
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def host(text):
+    """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
+def port(text):
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
+    return value
+
+
+def default_threads(processes_per_machine):
+    """Intra-op threads per process: OMP_NUM_THREADS where set, else this machine's usable cores shared
+    out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
+    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
+    return max(1, usable_cores() // processes_per_machine)
+
+
+def usable_cores():
+    """The cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere every core), capped at
+    SLURM_CPUS_PER_TASK where set: under SLURM's task/none nothing pins a task to the cores it was given."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    slurm = getenv("SLURM_CPUS_PER_TASK", "")
+    return min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores
+
+
+def getenv(name, default=None):
+    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
+    to torchrun and most launchers."""
+    return os.environ.get(name) or default
+
+
+def plural(n, word):
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
+
+
+def last_line(error):
+    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
+    return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
+
+
+# ===============================================================================================================
+# End of the shared block.
+# ===============================================================================================================
 
 
 if __name__ == "__main__":
