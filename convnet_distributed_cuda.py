@@ -67,6 +67,7 @@ from torchvision import datasets
 
 
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
+BACKEND = "NCCL"  # the process group's, as the lines that report a failure name it
 
 
 TEST_BATCH_SIZE = 1000  # test images per forward pass: a GPU does a large batch in about the time of a small one
@@ -111,23 +112,6 @@ class ConvNet(nn.Module):
 # ---- 3. Data --------------------------------------------------------------------------------------------------
 
 
-def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
-
-
-def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download them."""
-    folder = raw_folder(args)
-    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
-    for name in names:
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            unpack(path)
-    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
-        return
-    download(args, names)
-
-
 def load_data(args):
     """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
     cls = DATASETS[args.dataset][0]
@@ -148,7 +132,8 @@ def to_input(images, dataset):
 
 
 def epoch_batches(sampler, epoch, batch_size, device):
-    """This rank's batches of an epoch, as index tensors: the sampler picks the shard and its order."""
+    """This rank's batches of an epoch, as index tensors: the sampler picks the shard and its order. The same
+    batches as DataLoader(dataset, batch_size, sampler=DistributedSampler(...)), without its per-image work."""
     sampler.set_epoch(epoch)  # without it every epoch repeats the first epoch's order
     return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
 
@@ -194,19 +179,11 @@ def train(model, optimizer, data, rank, world_size, args):
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
-    peaks = peak_memory_per_rank(device)  # a collective: every rank's figure, for rank 0's metrics
-    metrics = {
-        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
-        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
-        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
-        "threads": torch.get_num_threads(), "amp": args.amp, "compress": args.compress,
-        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
-        "samples_per_second": len(history) * len(train_labels) / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "peak_rss_mib_per_rank": peaks, "history": history,
-    }  # fmt: skip
-    report(metrics, args)
+    test = test_loss, test_accuracy, test_count
+    report(
+        run_figures(args, device, world_size, history, train_seconds, len(train_labels), test, compress=args.compress),
+        args,
+    )
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
@@ -303,8 +280,7 @@ def check_group(world_size, device, args):
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
-        backend = "NCCL" if dist.get_backend() == "nccl" else "Gloo"
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {backend} lost some")
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
     print0(
         f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
     )
@@ -431,14 +407,10 @@ def main(argv=None):
         if args.num_gpu_processes == 1:
             worker(0, args, data)
         else:  # handed to the workers in shared memory, one copy per machine, where /dev/shm has room for it
+            # mp.spawn(worker, nprocs=N) as the textbook has it, with Ctrl-C and SIGTERM held as the workers start
             run_workers(args, data if data and share_data(data) else None, args.num_gpu_processes)
-    except (KeyboardInterrupt, Terminated) as e:
-        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
-        checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
-        if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
-            print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
-        sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
+    except (KeyboardInterrupt, Terminated) as e:  # every process of this launch has stopped
+        sys.exit(stopped(e, args, before))  # 130 for Ctrl-C, 143 for SIGTERM, with a line saying what was kept
 
 
 def placement(args, local_rank):
@@ -455,143 +427,53 @@ def placement(args, local_rank):
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    fill_layout(parser, args)
-    if not 0 <= args.machine_id < args.num_machines:
-        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
-    # Rank 0 writes the job's files, as its own command says (roll_call): only its machine needs the flags, and a
-    # folder to write to; another machine's are not used.
-    if (args.rank == 0) if args.rank is not None else args.machine_id == 0:
-        if args.resume and not args.checkpoint:
-            parser.error("--resume needs --checkpoint PATH")
-        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-            folder = os.path.dirname(os.path.abspath(path)) if path else None
-            if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-                parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    if args.threads is None:
-        try:
-            args.threads = default_threads(placement(args, 0)[2])
-        except (ValueError, argparse.ArgumentTypeError):
-            parser.error(
-                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
-                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-            )
-    # Processes on each machine: the flags say so; under a launcher the roll call counts them.
-    args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
+    fill_layout(parser, args)  # machines, processes, machine 0: the flags, else the launcher's variables
+    complete_args(parser, args)  # a flag that cannot work is one line now, not a failure after start-up
     return args
 
 
 def build_parser():
     # Flags of two words take the article's spelling too: --num_machines as well as --num-machines.
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    p.add_argument(
-        "--batch-size",
-        "--batch_size",
-        type=positive_int,
-        default=64,
-        metavar="N",
-        help="images per batch in each process; the global batch is this x world size (default: 64)",
-    )
-    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    p.add_argument(
-        "--data-dir",
-        "--data_dir",
-        default="./data",
-        metavar="DIR",
-        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)",
-    )
-    p.add_argument(
-        "--log-interval",
-        "--log_interval",
-        type=positive_int,
-        default=10,
-        metavar="N",
-        help="batches between progress lines (default: 10)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
-        "divided by the processes on this machine, at least 1)",
-    )
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    p.add_argument(
-        "--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)"
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)",
-    )
-    p.add_argument(
-        "--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)"
-    )
-    p.add_argument(
-        "--num-machines",
-        "--num_machines",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="machines in the job (default: 1)",
-    )
-    p.add_argument(
-        "--num-gpu-processes",
-        "--num_gpu_processes",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="processes on this machine, one per GPU, GPUs 0 to N-1 (default: every visible GPU)",
-    )
-    p.add_argument(
-        "--machine-id",
-        "--machine_id",
-        type=int,
-        default=None,
-        metavar="ID",
-        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)",
-    )
-    p.add_argument(
-        "--master-addr",
-        "--master_addr",
-        type=host,
-        default=None,
-        metavar="HOST",
-        help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)",
-    )
-    p.add_argument(
-        "--master-port",
-        "--master_port",
-        type=port,
-        default=None,
-        metavar="PORT",
-        help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)",
-    )
-    p.add_argument(
-        "--compress",
-        choices=["none", "bf16", "powersgd"],
-        default="none",
+    add = p.add_argument  # one flag a line (or two): the help text says what it does and its default
+    # fmt: off
+    add("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    add("--batch-size", "--batch_size", type=positive_int, default=64, metavar="N",
+        help="images per batch in each process; the global batch is this x world size (default: 64)")
+    add("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    add("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    add("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    add("--data-dir", "--data_dir", default="./data", metavar="DIR",
+        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
+    add("--log-interval", "--log_interval", type=positive_int, default=10, metavar="N",
+        help="batches between progress lines (default: 10)")
+    add("--threads", type=positive_int, default=None, metavar="N",
+        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores divided by the "
+             "processes on this machine, at least 1)")
+    add("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    add("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
+    add("--resume", action="store_true",
+        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
+    add("--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
+    add("--num-machines", "--num_machines", type=positive_int, default=None, metavar="N",
+        help="machines in the job (default: 1)")
+    add("--num-gpu-processes", "--num_gpu_processes", type=positive_int, default=None, metavar="N",
+        help="processes on this machine, one per GPU, GPUs 0 to N-1 (default: every visible GPU)")
+    add("--machine-id", "--machine_id", type=int, default=None, metavar="ID",
+        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
+    add("--master-addr", "--master_addr", type=host, default=None, metavar="HOST",
+        help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)")
+    add("--master-port", "--master_port", type=port, default=None, metavar="PORT",
+        help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)")
+    add("--compress", choices=["none", "bf16", "powersgd"], default="none",
         help="compress the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-        "approximation, about 1/15 of them, for slow links (100 Mbit/s) (default: none)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=300,
-        metavar="SECONDS",
-        help="how long a process waits for its peers before giving up (default: 300)",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="make the process group as a real run would, average once and exit without training: a check "
-        "before a long job (default: off)",
-    )
+             "approximation, about 1/15 of them, for slow links (100 Mbit/s) (default: none)")
+    add("--timeout", type=positive_float, default=300, metavar="SECONDS",
+        help="how long a process waits for its peers before giving up (default: 300)")
+    add("--check", action="store_true",
+        help="make the process group as a real run would, average once and exit without training: a check before a "
+             "long job (default: off)")
+    # fmt: on
     return p
 
 
@@ -606,7 +488,7 @@ def build_parser():
 #   S4. Files: whole or not at all
 #   S5. Room in /dev/shm
 #   S6. Processes, signals and exit
-#   S7. Memory and layout speed-ups
+#   S7. Memory, speed-ups and the run's figures
 #   S8. Command-line values and words
 # ===============================================================================================================
 
@@ -733,8 +615,10 @@ def same_memory(a, b):
 # that matches wins: torchrun and mpirun run inside SLURM jobs, whose variables they pass on), and the variables that
 # give each process its rank, the world size, its local rank, the processes on its machine (local_size), the
 # machine's index and the number of machines. A variable not named is not said: local rank 0 of 1, machine rank //
-# local size. master_addr and master_port give machine 0's where MASTER_ADDR and MASTER_PORT are unset ("": none,
-# which a job across machines must be given); launch names what all processes of one launch share.
+# local size; without a machine variable (MPI) the roll call finds the machines by host. master_addr and master_port
+# give machine 0's where neither flags nor MASTER_ADDR and MASTER_PORT do ("": none, which a job across machines must
+# be given); sets_master: the launcher itself sets MASTER_ADDR and MASTER_PORT, and a flag must agree with them.
+# launch names what all processes of one launch share.
 LAUNCHERS = {
     "torchrun": {
         "marked_by": ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "rank": "RANK", "world_size": "WORLD_SIZE",
@@ -1302,6 +1186,23 @@ def network_cost(device, args):
 # ---- S4. Files: whole or not at all ---------------------------------------------------------------------------
 
 
+def raw_folder(args):
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
+def prepare_data(args):
+    """Make the four files readable: unpack .gz files placed by hand, else download them."""
+    folder = raw_folder(args)
+    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+            unpack(path)
+    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
+        return
+    download(args, names)
+
+
 def unpack(path):
     """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
     (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
@@ -1556,6 +1457,17 @@ def spawned_worker(local_rank, args, data, held):
     exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
+def stopped(e, args, before):
+    """After Ctrl-C (KeyboardInterrupt) or SIGTERM (Terminated): one line per machine, and the exit status a shell
+    reports, 128 + the signal's number."""
+    how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
+    # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
+    checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
+    if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
+        print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
+    return status
+
+
 class Terminated(BaseException):
     """SIGTERM (kill, timeout, docker stop, Kubernetes, SLURM's scancel, torchrun), raised where the process
     is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
@@ -1665,7 +1577,7 @@ def exit_at_once(status=0):
     os._exit(status or 0)
 
 
-# ---- S7. Memory and layout speed-ups --------------------------------------------------------------------------
+# ---- S7. Memory, speed-ups and the run's figures --------------------------------------------------------------
 
 
 def keep_freed_memory():
@@ -1704,6 +1616,22 @@ def keep_pool_gradient_channels_last(model):
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
+def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
+    """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory is in."""
+    test_loss, test_accuracy, test_count = test
+    return {
+        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
+        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
+        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
+        "threads": torch.get_num_threads(), "amp": args.amp, **averaging,
+        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
+        "samples_per_second": len(history) * samples / train_seconds if train_seconds else None,
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
+        "peak_rss_mib_per_rank": peak_memory_per_rank(device), "history": history,
+    }  # fmt: skip
+
+
 def peak_memory_per_rank(device):
     """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
     peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
@@ -1724,6 +1652,33 @@ def peak_memory_mib():
 
 
 # ---- S8. Command-line values and words ------------------------------------------------------------------------
+
+
+def complete_args(parser, args):
+    """Check the flags that parse_args cannot check alone, and fill in what they leave open."""
+    if not 0 <= args.machine_id < args.num_machines:
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
+    # Rank 0 writes the job's files, as its own command says (roll_call): only its machine needs the flags, and a
+    # folder to write to; another machine's are not used.
+    if (args.rank == 0) if args.rank is not None else args.machine_id == 0:
+        if args.resume and not args.checkpoint:
+            parser.error("--resume needs --checkpoint PATH")
+        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+                parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    if args.threads is None:
+        try:
+            args.threads = default_threads(placement(args, 0)[2])
+        except (ValueError, argparse.ArgumentTypeError):
+            parser.error(
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
+                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+            )
+    # Processes on each machine: the flags say so; under a launcher the roll call counts them.
+    args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
 
 
 class Parser(argparse.ArgumentParser):
