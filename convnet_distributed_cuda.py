@@ -801,10 +801,19 @@ def open_store(rank, world_size, args, deadline):
 def rank0_started_twice(world_size, args):
     """Rank 0 cannot serve the rendezvous: if this job's own rank 0 serves it (the same flags, another launch: a
     --machine-id 0 given twice, or left out), every process of the job stops, naming it, not after --timeout."""
-    with contextlib.suppress(dist.DistError, OSError, ValueError):
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
-                              timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
-        first, me = json.loads(store.get("job")), record(0, world_size, args)
+    found = []
+
+    def ask():  # in a thread: a program that is no store may take the connection and never answer
+        with contextlib.suppress(dist.DistError, OSError, ValueError, RuntimeError):
+            store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+            found.append((store, json.loads(store.get("job"))))
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(5)
+    if found:
+        (store, first), me = found[0], record(0, world_size, args)
         if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
             stop_job(store, 0, args, twice(0, first, me, args))
 
