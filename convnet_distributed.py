@@ -293,8 +293,8 @@ def worker(local_rank, args, data):
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         train(model, optimizer, data, rank, world_size, args)
     except RuntimeError as e:
-        # Gloo reports a lost peer as a plain RuntimeError, raised inside backward() by DDP.
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+        # A lost peer comes as a DistError, or from Gloo as a plain RuntimeError raised inside backward() by DDP.
+        if not isinstance(e, dist.DistError) and BACKEND.lower() not in str(e).lower():
             raise
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
