@@ -1,5 +1,6 @@
 """Shared fixtures: small MNIST-format data sets, free ports, and running a script as a user would."""
 
+import fcntl
 import gzip
 import json
 import os
@@ -60,6 +61,30 @@ def write_dataset(root, folder="MNIST", gz=False, n_train=N_TRAIN, n_test=N_TEST
             with open(os.path.join(raw, name), "wb") as f:
                 f.write(data)
     return root
+
+
+@pytest.fixture(autouse=True)
+def alone_if_marked(request, tmp_path_factory):
+    """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound
+    with little room, or a timing of its own) runs with no other test beside it: each test holds a shared lock on
+    a file of this run, an `alone` test an exclusive one. A gate before the lock lets no test start while an
+    `alone` test waits for it. Nothing to do where the tests run in one process."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    folder = tmp_path_factory.getbasetemp().parent  # the run's folder, shared by its workers
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(folder / f"gate-{run}", "a") as gate, open(folder / f"lock-{run}", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
