@@ -17,6 +17,9 @@ import convnet_distributed
 import convnet_distributed_cuda
 from conftest import REPO, free_port, script_env, spawn_bounded, tensors
 
+# On one pytest-xdist worker: the module's one pair of processes (ranks), and its two hosts beside the other tests that
+# make network namespaces (its benchmark checks that `ip netns list` is the same before and after).
+pytestmark = pytest.mark.xdist_group("netns")
 STEPS = 3  # PowerSGD averages plainly for 2 steps (POWERSGD_PLAIN_STEPS), then compresses
 RESUME_AT, RESUME_STEPS = 6, 4  # the resume check: steps before the checkpoint, and after it
 

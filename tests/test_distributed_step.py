@@ -1,10 +1,11 @@
 """What data parallelism promises, checked in-process with Gloo: the sampler's shards, and DDP's averaging."""
 
 import copy
-import glob
 import os
 import platform
+import secrets
 import time
+import types
 
 import pytest
 import torch
@@ -49,10 +50,11 @@ def test_baseline_and_one_process_draw_the_same_batches():
         assert [b.tolist() for b in baseline] == [b.tolist() for b in distributed]
 
 
-def one_step(rank, world_size, port, out, allreduce):
+def one_step(rank, world_size, port, out, allreduce, token):
     """One optimizer step of the script's own DDP set-up and train_epoch, dropout off, on the first batch
-    of epoch 0."""
+    of epoch 0. The shared area is named after token: tests running beside this one make areas of their own."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    convnet_distributed.uuid = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=token))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     images, labels, _, _ = tensors()
@@ -104,10 +106,11 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
     first = convnet_undistributed.epoch_batches(len(labels), 0, 128, args.seed)[:1]
     convnet_undistributed.train_epoch(model, optimizer, images, labels, first, 0, args)
 
-    spawn_bounded(one_step, (world_size, free_port(), str(tmp_path), allreduce), nprocs=world_size)
+    token = secrets.token_hex(8)
+    spawn_bounded(one_step, (world_size, free_port(), str(tmp_path), allreduce, token), nprocs=world_size)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     assert {r["allreduce"] for r in ranks} == {used}
-    assert not glob.glob("/dev/shm/convnet-ddp-*")  # the shared area's name went once every rank had mapped it
+    assert not os.path.exists(f"/dev/shm/convnet-ddp-{token}")  # the shared area's name went once every rank mapped it
     # The shards are the baseline's batch of 128, split between the ranks.
     assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
     for rank in ranks:

@@ -137,6 +137,8 @@ def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path)
 # Faults: the whole job ends, within a bound, saying why.
 
 
+# On the worker of test_a_killed_rank_stops_the_whole_job, which runs `alone`: it never waits for this one there.
+@pytest.mark.xdist_group("killed")
 def test_master_port_held_by_another_program(data_dir):
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -165,6 +167,8 @@ def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
     assert left_running(machine1.pid) == []
 
 
+@pytest.mark.alone  # under load, machine 1 once named its other rank's "lost contact" before the killed worker
+@pytest.mark.xdist_group("killed")
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
     port = free_port()

@@ -17,6 +17,8 @@ import compare  # noqa: E402
 
 LIGHTNING = importlib.util.find_spec("lightning") is not None
 NO_LIGHTNING = "lightning is not installed (pip install -r requirements-dev.txt): the Lightning peers were not run"
+# The module's one comparison (a minute) is made once: its tests stay on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("peers")
 PEERS = ["tutorial-ddp", *(compare.NEEDS_LIGHTNING if LIGHTNING else ())]
 
 

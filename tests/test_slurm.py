@@ -29,6 +29,9 @@ import pytest
 
 from conftest import N_TEST, REPO, read_json, script_env
 
+# One cluster for the module, on one pytest-xdist worker, beside the other tests that make network namespaces.
+pytestmark = pytest.mark.xdist_group("netns")
+
 TOOLS = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "munged", "ip", "nsenter", "unshare")
 NODES = ("node0", "node1")
 START_SECONDS = 60  # daemons up and both nodes idle; took about 1.5 s on 2 cores

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${1:-python}
 "$python" -c 'import sys, torch, torchvision; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, torchvision {torchvision.__version__}")'
-"$python" -m pytest -q -rs -p no:cacheprovider \
+# -o addopts=: one process, without pytest.ini's two pytest-xdist workers (which that Python may lack).
+"$python" -m pytest -q -rs -p no:cacheprovider -o addopts= \
   tests/test_model.py \
   tests/test_checkpoint.py \
   tests/test_files.py \
