@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import ctypes
 import errno
-import functools
 import gzip
 import hashlib
 import io
@@ -124,9 +123,10 @@ def load_data(args):
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
+        folder = os.path.join(args.data_dir, cls.__name__, "raw")
         sys.exit(
-            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-            "a file there is damaged: replace it"
+            f"error: cannot read {args.dataset} from {folder}/ ({type(e).__name__}: {e}); a file there is damaged: "
+            "replace it"
         )
     return train.data, train.targets, test.data, test.targets
 
@@ -153,7 +153,7 @@ def train(model, optimizer, data, rank, world_size, args):
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     ddp_model, allreduce, compression = data_parallel(model, rank, world_size, args)
     start_epoch = resume(model, optimizer, args, compression) if args.resume else 0
-    print0(layout_line(world_size, args, averaging_words(allreduce, args)))
+    print0(layout_line(world_size, args, allreduce))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
@@ -177,20 +177,8 @@ def train(model, optimizer, data, rank, world_size, args):
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
     test = test_loss, test_accuracy, test_count
-    report(
-        run_figures(
-            args,
-            device,
-            world_size,
-            history,
-            train_seconds,
-            len(train_labels),
-            test,
-            allreduce=allreduce,
-            compress=args.compress if allreduce == "gloo" else "none",
-        ),
-        args,
-    )
+    averaging = {"allreduce": allreduce, "compress": args.compress if allreduce == "gloo" else "none"}
+    report(run_figures(args, device, world_size, history, train_seconds, len(train_labels), test, **averaging), args)
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
@@ -234,18 +222,19 @@ def evaluate(model, images, labels, rank, world_size, args):
 
 def join_group(rank, world_size, args):
     """Join the job's process group over Gloo: every process of every machine meets at machine 0."""
-    store = rendezvous(rank, world_size, args)
-    choose_gloo_interface(store, rank, world_size, args)
-    try:
-        with stderr_held_back():  # Gloo logs every failed connection attempt; the one line below says it all
-            dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=args.timeout)
-            )
-    except RuntimeError as e:  # Gloo connects every pair of processes here, on ports the system picks
-        sys.exit(
-            f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines reach "
-            "each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"
-        )
+    # The rendezvous: rank 0 serves a small key-value store at --master-addr:--master-port and every process
+    # connects to it (init_method="env://" does the same from MASTER_ADDR and MASTER_PORT). torchrun's agent
+    # serves its own store, to which rank 0 connects as well.
+    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, here and in every collective
+    with rendezvous(rank, world_size, is_master, args) as options:  # waits for machine 0; a failure is one line
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options)
+    if args.launcher == "torchrun":  # its store outlives a restart: apart, or a restart reads the last attempt's keys
+        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+    roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
+    choose_gloo_interface(store, rank, world_size, args)  # the address the other machines reach this one at
+    with gloo_failures(rank):  # Gloo connects every pair of processes here, on ports the system picks
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def data_parallel(model, rank, world_size, args):
@@ -321,18 +310,6 @@ def select_device(local_rank):
     return torch.device("cpu")
 
 
-def layout_line(world_size, args, averaging):
-    """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
-    sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
-    each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else f"({' + '.join(map(str, sizes))} processes)"
-    return (
-        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
-        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
-        f"{plural(torch.get_num_threads(), 'thread')} per process; gradients averaged {averaging}"
-        + (f" ({args.launch_note})" if args.launch_note else "")
-    )
-
-
 def print0(message):
     """Print on rank 0 only: one log for the whole job, not one per process."""
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -405,13 +382,10 @@ def report(metrics, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    before = file_version(args.checkpoint)  # the interrupt line tells whether this launch replaced it
-    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     check_gloo_socket_ifname()
-    try:
+    with stop_cleanly(args):  # Ctrl-C or SIGTERM stops every process of this launch, with one line (exit 130, 143)
         if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
-            worker(args.local_rank, args, None)
-            return
+            return worker(args.local_rank, args, None)
         torch.set_num_threads(1)  # no thread pool before the workers fork (see start_method); each sets its own
         data = None
         if not args.check:
@@ -420,13 +394,8 @@ def main(argv=None):
             data = load_data(args)
         if args.num_processes == 1:
             worker(0, args, data)
-        else:  # a forked worker inherits the data; a spawned one gets it in /dev/shm, where that has room for it
-            fork = start_method() == "fork"
-            shared = share_data(() if fork else data or (), gradient_room(args))
-            # mp.spawn(worker, nprocs=N) as the textbook has it, with Ctrl-C and SIGTERM held as the workers start
-            run_workers(args, data if fork or shared else None, args.num_processes)
-    except (KeyboardInterrupt, Terminated) as e:  # every process of this launch has stopped
-        sys.exit(stopped(e, args, before))  # 130 for Ctrl-C, 143 for SIGTERM, with a line saying what was kept
+        else:  # mp.spawn(worker, args=(args, data), nprocs=N), as the textbook has it, with the signals held
+            run_workers(args, data, args.num_processes)
 
 
 def placement(args, local_rank):
@@ -443,8 +412,9 @@ def placement(args, local_rank):
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    fill_layout(parser, args)  # machines, processes, machine 0: the flags, else the launcher's variables
-    complete_args(parser, args)  # a flag that cannot work is one line now, not a failure after start-up
+    # The layout where the flags leave it open (a launcher's variables), and the checks argparse cannot make: a flag
+    # that cannot work is one line now, not a failure after start-up.
+    complete_args(parser, args)
     return args
 
 
@@ -571,6 +541,14 @@ def start_method():
     thread (no OpenMP pool), made no process group, store or thread of its own. Elsewhere spawn: macOS's
     system libraries are not fork-safe, and Windows has no fork."""
     return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def data_for_workers(data, args):
+    """The data run_workers hands each worker: a forked one inherits the launcher's; a spawned one gets it through
+    /dev/shm where that has room, after the gradient average's (share_data). None: each loads its own."""
+    fork = start_method() == "fork"
+    shared = share_data(() if fork else data or (), gradient_room(args))
+    return data if fork or shared else None
 
 
 # ---- M2. Network interfaces: where Gloo listens ---------------------------------------------------------------
@@ -717,6 +695,20 @@ def netlink_addresses():
                         a += max(4, (size + 3) & ~3)
                     yield family, scope, index, attributes
                 at += max(16, (length + 3) & ~3)
+
+
+@contextlib.contextmanager
+def gloo_failures(rank):
+    """A process group Gloo cannot connect is one line: Gloo logs each failed connection attempt (held back here,
+    as no setting silences it), then raises."""
+    try:
+        with stderr_held_back():
+            yield
+    except RuntimeError as e:
+        sys.exit(
+            f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines reach "
+            "each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"
+        )
 
 
 @contextlib.contextmanager
@@ -995,37 +987,14 @@ def expand_counts(text):
 # ---- S2. Rendezvous and roll call: one job, one decision ------------------------------------------------------
 
 
-def rendezvous(rank, world_size, args):
-    """The store every process of the job meets at, and its roll call (roll_call): a machine that never starts is
-    reported after --timeout, a process that does not belong within seconds."""
-    deadline = time.monotonic() + args.timeout
-    if args.launcher == "torchrun":  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT and set this rank
-        served = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves, as with env://
-        resolve(args.master_addr, rank, deadline)
-        agent_store = dist.TCPStore(
-            args.master_addr,
-            args.master_port,
-            world_size,
-            is_master=not served and rank == 0,
-            timeout=timedelta(seconds=args.timeout),
-        )
-        # The store outlives a restart (--max-restarts): keep each attempt's keys apart, or a restarted
-        # group reads the previous attempt's addresses and Gloo connects to a process that is gone.
-        store = dist.PrefixStore(f"attempt-{getenv('TORCHELASTIC_RESTART_COUNT', 0)}/", agent_store)
-    else:
-        store = open_store(rank, world_size, args, deadline)
-    try:
-        roll_call(store, rank, world_size, args, deadline)
-    except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        stop_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
-    return store
-
-
-def open_store(rank, world_size, args, deadline):
-    """The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, the others connect."""
-    where = f"{args.master_addr}:{args.master_port}"
+@contextlib.contextmanager
+def rendezvous(rank, world_size, is_master, args):
+    """Around the making of the store: wait until --master-addr resolves and, on the other processes, until machine
+    0 listens, so that a machine 0 that never comes is reported clearly at --timeout; a store that cannot be served
+    or reached is one line too. Yields TCPStore's other options (store_options)."""
+    where, deadline = f"{args.master_addr}:{args.master_port}", time.monotonic() + args.timeout
     resolve(args.master_addr, rank, deadline)
-    while rank != 0:  # wait for machine 0 here, to report it clearly and on time if it never comes
+    while not is_master:  # TCPStore would wait as long, then say only that it timed out
         try:
             socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
             break
@@ -1038,29 +1007,25 @@ def open_store(rank, world_size, args, deadline):
                 )
             time.sleep(0.5)
     try:
-        listener = loopback_listener(args) if rank == 0 else None
-        store = functools.partial(
-            dist.TCPStore,
-            args.master_addr,
-            args.master_port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=args.timeout),
-            wait_for_workers=False,
-            master_listen_fd=listener,
-        )
-        try:
-            return store()
-        except NotImplementedError:  # torch 2.4's libuv server takes no listening socket; its older server does
-            return store(use_libuv=False)
+        yield store_options(is_master, args)
     except (dist.DistError, OSError) as e:
-        if rank == 0:
+        if is_master:
             rank0_started_twice(world_size, args)
             sys.exit(
                 f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
                 "the port; choose a free --master-port"
             )
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+
+
+def store_options(is_master, args):
+    """TCPStore's other options. Rank 0 does not wait for the others to connect: the roll call waits, and names who
+    is missing. A store served on loopback listens on a socket bound there (loopback_listener), which libuv's
+    server takes from torch 2.8 on (pytorch#150215), and the older server before."""
+    listener = loopback_listener(args) if is_master else None
+    if listener is None:
+        return {"wait_for_workers": False}
+    return {"wait_for_workers": False, "master_listen_fd": listener, "use_libuv": torch.__version__ >= "2.8"}
 
 
 def rank0_started_twice(world_size, args):
@@ -1141,13 +1106,20 @@ RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
 
 
-def roll_call(store, rank, world_size, args, deadline):
+def roll_call(store, rank, world_size, args):
     """Every process registers under its own rank's key (compare_set: a second claim finds the first), with its
     machine, host, launch, what must agree (JOB_FLAGS) and what rank 0 writes (RANK0_FLAGS); rank 0 waits for every
     rank, counts the machines, then says "ready". What cannot make one job stops every process within seconds, with
     one line per machine: a rank or machine id given twice, or machines that disagree on a flag, the model or the
     torch version. A process of another job (another launcher) at this address and port stops alone, never joining.
     Every rank then takes rank 0's RANK0_FLAGS, and its machine's index and the job's layout."""
+    try:
+        answer_roll_call(store, rank, world_size, args, time.monotonic() + args.timeout)
+    except dist.DistError as e:  # rank 0 gave up, or its machine went away
+        stop_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+
+
+def answer_roll_call(store, rank, world_size, args, deadline):
     me = record(rank, world_size, args)
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
     if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
@@ -1690,8 +1662,9 @@ def run_workers(args, data, nprocs):
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
         with stop_signals_held() as held:
+            given = data_for_workers(data, args)
             context = mp.start_processes(
-                spawned_worker, args=(args, data, held), nprocs=nprocs, join=False, start_method=start_method()
+                spawned_worker, args=(args, given, held), nprocs=nprocs, join=False, start_method=start_method()
             )
         while not context.join():
             pass
@@ -1731,15 +1704,22 @@ def spawned_worker(local_rank, args, data, held):
     exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
 
 
-def stopped(e, args, before):
-    """After Ctrl-C (KeyboardInterrupt) or SIGTERM (Terminated): one line per machine, and the exit status a shell
-    reports, 128 + the signal's number."""
-    how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-    # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
-    checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
-    if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
-        print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
-    return status
+@contextlib.contextmanager
+def stop_cleanly(args):
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated wherever this process is (stop_on_signals), so
+    that every clean-up runs; once every process of this launch has stopped, one line per machine says what was kept,
+    and the exit status is a shell's: 128 + the signal's number."""
+    before = file_version(args.checkpoint)  # whether this launch replaced it
+    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as e:
+        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
+        # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
+        checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
+        if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
+            print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
+        sys.exit(status)
 
 
 class Terminated(BaseException):
@@ -1890,6 +1870,19 @@ def keep_pool_gradient_channels_last(model):
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
+def layout_line(world_size, args, allreduce):
+    """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
+    sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
+    each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else f"({' + '.join(map(str, sizes))} processes)"
+    averaging = averaging_words(allreduce, args)
+    return (
+        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
+        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
+        f"{plural(torch.get_num_threads(), 'thread')} per process; gradients averaged {averaging}"
+        + (f" ({args.launch_note})" if args.launch_note else "")
+    )
+
+
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
     """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory is in."""
     test_loss, test_accuracy, test_count = test
@@ -1929,7 +1922,9 @@ def peak_memory_mib():
 
 
 def complete_args(parser, args):
-    """Check the flags that parse_args cannot check alone, and fill in what they leave open."""
+    """Fill in what the flags leave open (fill_layout: the launcher's layout, else one process), and check what
+    parse_args cannot check alone."""
+    fill_layout(parser, args)
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
     # Rank 0 writes the job's files, as its own command says (roll_call): only its machine needs the flags, and a

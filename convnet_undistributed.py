@@ -134,9 +134,10 @@ def load_data(args):
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
+        folder = os.path.join(args.data_dir, cls.__name__, "raw")
         sys.exit(
-            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-            "a file there is damaged: replace it"
+            f"error: cannot read {args.dataset} from {folder}/ ({type(e).__name__}: {e}); a file there is damaged: "
+            "replace it"
         )
     return train.data, train.targets, test.data, test.targets
 

@@ -200,15 +200,15 @@ def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch,
     assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
     args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
     assert args.machine_sizes == sizes
-    assert convnet_distributed.layout_line(len(hosts), args, "over Gloo").startswith(line)
+    assert convnet_distributed.layout_line(len(hosts), args, "gloo").startswith(line)
 
 
 def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RESTART_COUNT="1")
     args, _ = layout(convnet_distributed, monkeypatch, env)
     assert args.launch_note == "torchrun, restart 1"
-    assert convnet_distributed.layout_line(1, args, "nowhere").endswith(
-        "; gradients averaged nowhere (torchrun, restart 1)"
+    assert convnet_distributed.layout_line(1, args, "gloo").endswith(
+        "; gradients averaged over Gloo (torchrun, restart 1)"
     )
 
 

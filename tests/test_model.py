@@ -51,7 +51,6 @@ SAME_IN_DISTRIBUTED = [
     "evaluate",
     "worker",
     "check_group",
-    "layout_line",
     "print0",
     "save_checkpoint",
     "resume",
