@@ -761,11 +761,7 @@ def rendezvous(rank, world_size, is_master, args):
         yield store_options(is_master, args)
     except (dist.DistError, OSError) as e:
         if is_master:
-            rank0_started_twice(world_size, args)
-            sys.exit(
-                f"error: cannot serve the rendezvous on {where} ({last_line(e)}): another program may hold "
-                "the port; choose a free --master-port"
-            )
+            cannot_serve(e, world_size, args)
         sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
 
 
@@ -777,6 +773,47 @@ def store_options(is_master, args):
     if listener is None:
         return {"wait_for_workers": False}
     return {"wait_for_workers": False, "master_listen_fd": listener, "use_libuv": torch.__version__ >= "2.8"}
+
+
+def port_free_to_serve(args):
+    """Before this launch starts its workers, where one of them will serve the rendezvous: a port another program
+    holds is one line at once. Found later, the other workers would already be connected to that program, waiting
+    in C++ and deaf to a stop, until killed."""
+    if args.rank is not None or args.machine_id != 0 or os.name != "posix":  # Windows: a bind there may share a port
+        return
+    try:
+        listener = loopback_listener(args)
+        if listener is None:  # TCPStore listens on every interface: IPv6 and IPv4 where it can, else IPv4
+            listener = every_interface(args.master_port)
+        os.close(listener)
+    except OSError as e:
+        cannot_serve(e, placement(args, 0)[1], args)
+
+
+def every_interface(port):
+    """A socket bound to port on every interface, as TCPStore's (IPv6 and IPv4, else IPv4 alone), not listening:
+    the bind fails where another program listens there. Returns its file descriptor."""
+    for i, (family, address) in enumerate(((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0"))):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((address, port))
+                return s.detach()
+        except OSError as e:  # skip IPv6 only where this system lacks it
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == 1:
+                raise
+
+
+def cannot_serve(error, world_size, args):
+    """Rank 0 cannot serve the rendezvous: said in one line, or, where it is this job's own rank 0 that serves it,
+    every process of the job stops (rank0_started_twice)."""
+    rank0_started_twice(world_size, args)
+    sys.exit(
+        f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} ({last_line(error)}): another "
+        "program may hold the port; choose a free --master-port"
+    )
 
 
 def rank0_started_twice(world_size, args):
@@ -1410,6 +1447,7 @@ def run_workers(args, data, nprocs):
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
+        port_free_to_serve(args)
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
         with stop_signals_held() as held:

@@ -140,6 +140,8 @@ def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path)
 # On the worker of test_a_killed_rank_stops_the_whole_job, which runs `alone`: it never waits for this one there.
 @pytest.mark.xdist_group("killed")
 def test_master_port_held_by_another_program(data_dir):
+    """A program that takes connections and never answers holds the port. The launcher finds it before any worker
+    starts: a worker already connected to that program waited in C++, deaf to SIGTERM, until killed 10 s later."""
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
@@ -147,7 +149,8 @@ def test_master_port_held_by_another_program(data_dir):
         proc = job(data_dir, port=port, timeout=60)
         result, seconds = ended(proc, within=90)
     assert_clean_failure(result, f"127.0.0.1:{port}", "--master-port")
-    assert seconds < 45  # seconds, not --timeout: the listening socket fails at once
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert seconds < 30, seconds  # not --timeout, nor a stuck worker's kill: about 12 s on 2 cores, 40 s before
     assert left_running(proc.pid) == []
 
 
