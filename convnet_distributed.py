@@ -233,7 +233,7 @@ def join_group(rank, world_size, args):
         store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
     roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
     choose_gloo_interface(store, rank, world_size, args)  # the address the other machines reach this one at
-    with gloo_failures(rank):  # Gloo connects every pair of processes here, on ports the system picks
+    with gloo_failures(store, rank, args):  # Gloo connects every pair of processes here, on ports the system picks
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
@@ -698,29 +698,29 @@ def netlink_addresses():
 
 
 @contextlib.contextmanager
-def gloo_failures(rank):
-    """A process group Gloo cannot connect is one line: Gloo logs each failed connection attempt (held back here,
-    as no setting silences it), then raises."""
+def gloo_failures(store, rank, args):
+    """A process group Gloo cannot connect is one line on every machine: Gloo logs each failed connection attempt
+    (held back here, as no setting silences it), then raises, and the processes still waiting stop too."""
     try:
-        with stderr_held_back():
+        with stderr_held_back() as stderr, stopped_with_the_job(store, rank, args, stderr):
             yield
     except RuntimeError as e:
-        sys.exit(
+        stop_job(store, rank, args, (
             f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines reach "
-            "each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"
-        )
+            "each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"))  # fmt: skip
 
 
 @contextlib.contextmanager
 def stderr_held_back():
     """Send what C++ code writes to file descriptor 2 to a temporary file; write it out if the block succeeds,
-    drop it if it raises (no setting silences Gloo's log of each failed connection attempt)."""
+    drop it if it raises (no setting silences Gloo's log of each failed connection attempt). Yields the real
+    stderr's descriptor meanwhile."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
-            yield
+            yield saved
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -1299,13 +1299,42 @@ def twice(rank, first, second, args):
     )
 
 
+@contextlib.contextmanager
+def stopped_with_the_job(store, rank, args, stderr=2):
+    """Around the backend's connecting of the group, where every process waits in C++ for every other (Gloo up to
+    5 x --timeout): a process that failed there leaves its line in the store (stop_job), and this one stops within a
+    second, saying it on stderr (the descriptor, where file descriptor 2 is held back), instead of waiting for a
+    process that is gone."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
+                if store.check(["abort"]):
+                    line = store.get("abort").decode()
+                    time.sleep(1)  # if the store is this process's, the other processes may not have read it yet
+                    if local_rank_of(rank, args) != 0:  # one line per machine, as stop_job says it
+                        time.sleep(2)
+                    os.dup2(stderr, 2)
+                    exit_at_once(line if local_rank_of(rank, args) == 0 else 1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(5)
+
+
 def stop_job(store, rank, args, line):
     """Stop this process with line, said once per machine (by its local rank 0; the others wait for it to be said).
     With store, every process of the job stops too, each machine saying the same line."""
     if store is not None:
-        store.set("abort", line)
+        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it on their own
+            store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.1 s: let them read the line before rank 0, and its store, go
+        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line before its store goes
     if local_rank_of(rank, args) != 0:
         time.sleep(2)
         sys.exit(1)
@@ -1857,7 +1886,7 @@ def exit_at_once(status=0):
     about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
     ("terminate called without an active exception") as the interpreter goes."""
     if status is not None and not isinstance(status, int):
-        print(status, file=sys.stderr)
+        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()

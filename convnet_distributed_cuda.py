@@ -238,7 +238,7 @@ def join_group(rank, world_size, args):
     roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
     one_gpu_each(store, rank, world_size, args)  # two processes on one GPU: NCCL would fail obscurely
     keep_nccl_on_loopback(world_size, args)
-    with nccl_failures(rank):
+    with nccl_failures(store, rank, args):
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
@@ -571,15 +571,15 @@ def one_gpu_each(store, rank, world_size, args):
 
 
 @contextlib.contextmanager
-def nccl_failures(rank):
-    """A process group NCCL cannot connect is one line."""
+def nccl_failures(store, rank, args):
+    """A process group NCCL cannot connect is one line on every machine: the processes still waiting stop too."""
     try:
-        yield
+        with stopped_with_the_job(store, rank, args):
+            yield
     except RuntimeError as e:
-        sys.exit(
+        stop_job(store, rank, args, (
             f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines reach "
-            "each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"
-        )
+            "each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"))  # fmt: skip
 
 
 def averaging_words(allreduce, args):
@@ -1050,13 +1050,42 @@ def twice(rank, first, second, args):
     )
 
 
+@contextlib.contextmanager
+def stopped_with_the_job(store, rank, args, stderr=2):
+    """Around the backend's connecting of the group, where every process waits in C++ for every other (Gloo up to
+    5 x --timeout): a process that failed there leaves its line in the store (stop_job), and this one stops within a
+    second, saying it on stderr (the descriptor, where file descriptor 2 is held back), instead of waiting for a
+    process that is gone."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
+                if store.check(["abort"]):
+                    line = store.get("abort").decode()
+                    time.sleep(1)  # if the store is this process's, the other processes may not have read it yet
+                    if local_rank_of(rank, args) != 0:  # one line per machine, as stop_job says it
+                        time.sleep(2)
+                    os.dup2(stderr, 2)
+                    exit_at_once(line if local_rank_of(rank, args) == 0 else 1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(5)
+
+
 def stop_job(store, rank, args, line):
     """Stop this process with line, said once per machine (by its local rank 0; the others wait for it to be said).
     With store, every process of the job stops too, each machine saying the same line."""
     if store is not None:
-        store.set("abort", line)
+        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it on their own
+            store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.1 s: let them read the line before rank 0, and its store, go
+        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line before its store goes
     if local_rank_of(rank, args) != 0:
         time.sleep(2)
         sys.exit(1)
@@ -1608,7 +1637,7 @@ def exit_at_once(status=0):
     about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
     ("terminate called without an active exception") as the interpreter goes."""
     if status is not None and not isinstance(status, int):
-        print(status, file=sys.stderr)
+        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()

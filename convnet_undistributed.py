@@ -600,7 +600,7 @@ def exit_at_once(status=0):
     about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
     ("terminate called without an active exception") as the interpreter goes."""
     if status is not None and not isinstance(status, int):
-        print(status, file=sys.stderr)
+        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()

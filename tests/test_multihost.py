@@ -429,25 +429,25 @@ def test_wrong_gloo_socket_ifname_is_a_clear_error(network, data_dir, tmp_path, 
     assert_namespaces_empty(network)
 
 
-REFUSED_TIMEOUT = 10  # the peers' --timeout here: machine 0 waits that long for connections that never come
+REFUSED_TIMEOUT = 60  # the peers' --timeout here: Gloo on machine 0 would wait 5 x that for connections that never come
 
 
-@pytest.mark.timeout(REFUSED_TIMEOUT + RUN_SECONDS)
+@pytest.mark.timeout(RUN_SECONDS + 60)
 def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir, tmp_path):
-    """Machine 0 told to use loopback (GLOO_SOCKET_IFNAME=lo): machine 1's Gloo connections are refused. Each
-    machine ends with one line naming the cause, no traceback, nothing left running."""
+    """Machine 0 told to use loopback (GLOO_SOCKET_IFNAME=lo): machine 1's Gloo connections are refused at once.
+    Machine 0's Gloo waited 5 x --timeout for machine 1's processes, long gone; now both machines end within seconds
+    with machine 1's line, one per machine, no traceback, nothing left running."""
     env0, env1 = env_without_interface(), env_without_interface()
     env0["GLOO_SOCKET_IFNAME"] = "lo"
     machines = script_machines(network, random_port(), data_dir, tmp_path, [env0, env1], timeout=REFUSED_TIMEOUT)
     results = finish_all(machines, RUN_SECONDS)
     for r in results:
-        assert r.returncode == 1, describe(results)
-        lines = r.stderr.strip().splitlines()  # one line from each process that saw the failure, nothing else
-        assert lines and all(line.startswith("error: ") for line in lines), describe([r])
-        assert len(lines) <= 2, describe([r])
+        assert r.returncode == 1 and r.seconds < REFUSED_TIMEOUT, describe(results)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: rank "), describe([r])
+        assert "Gloo cannot connect the processes" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]  # what to do
         assert "epoch: " not in r.stdout
-    assert "Gloo cannot connect the processes" in results[1].stderr, describe(results)
-    assert "GLOO_SOCKET_IFNAME" in results[1].stderr  # what to do
+    assert "Connection refused" in results[1].stderr, describe(results)
     assert_namespaces_empty(network)
 
 
