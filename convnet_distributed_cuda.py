@@ -1493,11 +1493,11 @@ def run_workers(args, data, nprocs):
             raise Terminated from None
         # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
-        rank = placement(args, e.error_index)[0]
+        rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid  # older torch: .pid
         sys.exit(
             1
             if e.exit_code == 1
-            else f"error: rank {rank} (pid {e.error_pid}) {how}: the other processes of this machine were stopped"
+            else f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         )
     finally:
         stop_workers(mp.active_children())  # every worker started, even when a failure came as they started

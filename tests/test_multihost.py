@@ -447,7 +447,6 @@ def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir,
         assert len(lines) == 1 and lines[0].startswith("error: rank "), describe([r])
         assert "Gloo cannot connect the processes" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]  # what to do
         assert "epoch: " not in r.stdout
-    assert "Connection refused" in results[1].stderr, describe(results)
     assert_namespaces_empty(network)
 
 

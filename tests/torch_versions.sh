@@ -21,4 +21,6 @@ python=${1:-python}
   "tests/test_faults.py::test_sigterm_stops_every_process_with_status_143_and_one_line" \
   "tests/test_faults.py::test_a_signal_as_spawned_workers_start_stops_the_run_cleanly" \
   "tests/test_faults.py::test_workers_stop_when_their_launcher_is_killed" \
-  "tests/test_faults.py::test_no_process_of_a_run_tears_its_interpreter_down"
+  "tests/test_faults.py::test_no_process_of_a_run_tears_its_interpreter_down" \
+  "tests/test_faults.py::test_a_killed_rank_stops_the_whole_job" \
+  "tests/test_faults.py::test_master_port_held_by_another_program"
