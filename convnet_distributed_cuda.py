@@ -111,16 +111,20 @@ class ConvNet(nn.Module):
 # ---- 3. Data --------------------------------------------------------------------------------------------------
 
 
+def raw_folder(args):
+    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
 def load_data(args):
     """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
     cls = DATASETS[args.dataset][0]
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        folder = os.path.join(args.data_dir, cls.__name__, "raw")
         sys.exit(
-            f"error: cannot read {args.dataset} from {folder}/ ({type(e).__name__}: {e}); a file there is damaged: "
-            "replace it"
+            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+            "a file there is damaged: replace it"
         )
     return train.data, train.targets, test.data, test.targets
 
@@ -784,26 +788,12 @@ def port_free_to_serve(args):
     try:
         listener = loopback_listener(args)
         if listener is None:  # TCPStore listens on every interface: IPv6 and IPv4 where it can, else IPv4
-            listener = every_interface(args.master_port)
+            listener = bound_socket(
+                [(socket.AF_INET6, ("::", args.master_port)), (socket.AF_INET, ("", args.master_port))]
+            )
         os.close(listener)
     except OSError as e:
         cannot_serve(e, placement(args, 0)[1], args)
-
-
-def every_interface(port):
-    """A socket bound to port on every interface, as TCPStore's (IPv6 and IPv4, else IPv4 alone), not listening:
-    the bind fails where another program listens there. Returns its file descriptor."""
-    for i, (family, address) in enumerate(((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0"))):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                s.bind((address, port))
-                return s.detach()
-        except OSError as e:  # skip IPv6 only where this system lacks it
-            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == 1:
-                raise
 
 
 def cannot_serve(error, world_size, args):
@@ -847,14 +837,23 @@ def loopback_listener(args):
     found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
     if not all(is_loopback(address[0]) for *_, address in found):
         return None
-    for i, (family, _, _, _, address) in enumerate(found):  # in the order the other processes try them
+    return bound_socket([(family, address) for family, _, _, _, address in found])  # in the order the others try
+
+
+def bound_socket(candidates):
+    """A socket bound, not listening, to the first of candidates [(family, address)] this system has, as TCPStore
+    binds its own: SO_REUSEADDR (a port in TIME_WAIT is free), and IPv6 taking IPv4 too. The bind fails where another
+    program listens there. Returns its file descriptor."""
+    for i, (family, address) in enumerate(candidates):
         try:
-            with socket.socket(family, socket.SOCK_STREAM) as listener:
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: TIME_WAIT is free
-                listener.bind(address)
-                return listener.detach()
-        except OSError as e:  # skip only an address this system lacks (localhost's ::1 where IPv6 is off)
-            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(found) - 1:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind(address)
+                return s.detach()
+        except OSError as e:  # skip only an address this system lacks (::1 or :: where IPv6 is off)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(candidates) - 1:
                 raise
 
 
@@ -1249,10 +1248,6 @@ def network_cost(device, args):
 # ---- S4. Files: whole or not at all ---------------------------------------------------------------------------
 
 
-def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
-
-
 def prepare_data(args):
     """Make the four files readable: unpack .gz files placed by hand, else download them."""
     folder = raw_folder(args)
@@ -1479,8 +1474,8 @@ def run_workers(args, data, nprocs):
         port_free_to_serve(args)
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
+        given = data_for_workers(data, args)
         with stop_signals_held() as held:
-            given = data_for_workers(data, args)
             context = mp.start_processes(
                 spawned_worker, args=(args, given, held), nprocs=nprocs, join=False, start_method=start_method()
             )

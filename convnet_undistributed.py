@@ -71,10 +71,6 @@ class ConvNet(nn.Module):
 # ---- 3. Data ------------------------------------------------------------------------------------------------
 
 
-def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
-
-
 def unpack(path):
     """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
     (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
@@ -128,16 +124,20 @@ def download(args, names):
         shutil.rmtree(private, ignore_errors=True)
 
 
+def raw_folder(args):
+    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
 def load_data(args):
     """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
     cls = DATASETS[args.dataset][0]
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        folder = os.path.join(args.data_dir, cls.__name__, "raw")
         sys.exit(
-            f"error: cannot read {args.dataset} from {folder}/ ({type(e).__name__}: {e}); a file there is damaged: "
-            "replace it"
+            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
+            "a file there is damaged: replace it"
         )
     return train.data, train.targets, test.data, test.targets
 
