@@ -29,6 +29,7 @@ import gzip
 import hashlib
 import io
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -224,17 +225,17 @@ def evaluate(model, images, labels, rank, world_size, args):
 # shard. DistributedDataParallel averages the gradients inside backward(): every copy takes the same step.
 
 
-def join_group(rank, world_size, args):
+def join_group(rank, world_size, args, listener=None):
     """Join the job's process group over Gloo: every process of every machine meets at machine 0."""
     # The rendezvous: rank 0 serves a small key-value store at --master-addr:--master-port and every process
     # connects to it (init_method="env://" does the same from MASTER_ADDR and MASTER_PORT). torchrun's agent
     # serves its own store, to which rank 0 connects as well.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, here and in every collective
-    with rendezvous(rank, world_size, is_master, args) as options:  # waits for machine 0; a failure is one line
+    with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0; errors: one line
         store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options)
     if args.launcher == "torchrun":  # its store outlives a restart: apart, or a restart reads the last attempt's keys
-        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+        store = dist.PrefixStore(torchrun_attempt(), store)
     roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
     choose_gloo_interface(store, rank, world_size, args)  # the address the other machines reach this one at
     with gloo_failures(store, rank, args):  # Gloo connects every pair of processes here, on ports the system picks
@@ -263,13 +264,13 @@ def data_parallel(model, rank, world_size, args):
     return ddp_model, "gloo", compress_gradients(ddp_model, args.compress)
 
 
-def worker(local_rank, args, data):
+def worker(local_rank, args, data, listener=None):
     """One process: join the group, build the model, train."""
     rank, world_size, _ = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = select_device(local_rank)
-    join_group(rank, world_size, args)
+    join_group(rank, world_size, args, listener)
     try:
         if args.check:
             check_group(world_size, device, args)
@@ -279,6 +280,7 @@ def worker(local_rank, args, data):
                 prepare_data(args)
             dist.barrier()
             data = load_data(args)
+        check_same_data(data, rank, args)  # a machine whose copy of the files differs would train on other data
         torch.manual_seed(args.seed)  # the same initial weights as the baseline script's
         # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
         model = ConvNet().to(device, memory_format=torch.channels_last)
@@ -391,15 +393,18 @@ def main(argv=None):
         if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
             return worker(args.local_rank, args, None)
         torch.set_num_threads(1)  # no thread pool before the workers fork (see start_method); each sets its own
+        # Machine 0 holds the rendezvous port from now until rank 0 serves on it; a job on one machine given no port
+        # takes a free one, as torchrun --standalone does, so that jobs side by side never meet.
+        listener = claim_port(args)
         data = None
         if not args.check:
             # Once per machine, before the workers start: N processes downloading into one folder race.
             prepare_data(args)
             data = load_data(args)
         if args.num_processes == 1:
-            worker(0, args, data)
-        else:  # mp.spawn(worker, args=(args, data), nprocs=N), as the textbook has it, with the signals held
-            run_workers(args, data, args.num_processes)
+            worker(0, args, data, listener)
+        else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), as the textbook has it, with the signals held
+            run_workers(args, data, args.num_processes, listener)
 
 
 def placement(args, local_rank):
@@ -454,7 +459,8 @@ def build_parser():
     add("--master-addr", "--master_addr", type=host, default=None, metavar="HOST",
         help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)")
     add("--master-port", "--master_port", type=port, default=None, metavar="PORT",
-        help="free TCP port on machine 0 (default: MASTER_PORT if set, else 8892)")
+        help="free TCP port on machine 0 (default: MASTER_PORT if set, else a free port for a job on one machine, "
+             "8892 across machines)")
     add("--allreduce", choices=["auto", "gloo"], default="auto",
         help="how the gradients are averaged: auto, in shared memory when every process is on this machine (Linux on "
              "x86-64) and over Gloo otherwise; gloo, over Gloo always (default: auto)")
@@ -519,7 +525,9 @@ def fill_layout(parser, args):
         )
     defaults = {
         "num_processes": 1, "num_machines": 1, "machine_id": 0,
-        "master_addr": master["master_addr"] or "127.0.0.1", "master_port": master["master_port"] or "8892",
+        "master_addr": master["master_addr"] or "127.0.0.1",
+        # A job on one machine that this script starts takes a free port (claim_port); other machines must be told.
+        "master_port": master["master_port"] or ("0" if launcher is None and (args.num_machines or 1) == 1 else "8892"),
     }  # fmt: skip
     for name, default in defaults.items():
         given, set_by_launcher = getattr(args, name), decided.get(name)
@@ -530,7 +538,9 @@ def fill_layout(parser, args):
             )
         setattr(args, name, next(v for v in (given, set_by_launcher, default) if v is not None))
     try:
-        args.master_port = port(str(args.master_port))
+        args.master_port = (
+            0 if str(args.master_port) == "0" and not getenv("MASTER_PORT") else port(str(args.master_port))
+        )
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(
             f"MASTER_PORT={getenv('MASTER_PORT')!r} in the environment is not a port number (1-65535): "
@@ -578,17 +588,16 @@ def choose_gloo_interface(store, rank, world_size, args):
         address = near
         if is_loopback(near):  # this machine serves the rendezvous: a process of another machine knows
             other = next(r for r, m in enumerate(args.machine_of) if m != args.machine_id)
-            other_near, other_far = store.get(f"ends/{other}").decode().split()
+            other_near, other_far = addresses_in(store, f"ends/{other}", 2, rank, args)
             address = near if is_loopback(other_near) else other_far  # both on one host: loopback is right
         # Gloo listens on its interface's first address: an alias label whose first address this is, if any.
         holders = sorted(
             (n for n, held in addresses.items() if address in held), key=lambda n: address != addresses[n][0]
         )
         if not holders:
-            sys.exit(
+            stop_job(store, rank, args, (
                 f"error: rank {rank}: the other machines reach this one at {address}, which no interface here "
-                "holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"
-            )
+                "holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"))  # fmt: skip
         name, address = holders[0], addresses[holders[0]][0]
         os.environ["GLOO_SOCKET_IFNAME"] = name  # read by Gloo when the process group is made
     elif not spans_machines and (name := loopback_interface(addresses)):
@@ -609,8 +618,21 @@ def choose_gloo_interface(store, rank, world_size, args):
         store.set(f"machine/{args.machine_id}", json.dumps(report))
     if rank == 0 and (spans_machines or args.check):
         for machine in range(args.num_machines):
-            hostname, count, name, address = json.loads(store.get(f"machine/{machine}"))
+            raw = store.get(f"machine/{machine}")
+            hostname, count, name, address = report = from_json(raw) or [None] * 4
+            if not (isinstance(report, list) and len(report) == 4 and type(count) is int):
+                stop_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
             print(f"Machine {machine} ({hostname}): {plural(count, 'process')}, Gloo on {name} {address}", flush=True)
+
+
+def addresses_in(store, key, count, rank, args):
+    """count IP addresses, read from the store and checked: the store is unauthenticated."""
+    raw = store.get(key)
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        found = raw.decode().split()
+        if len(found) == count and all(ipaddress.ip_address(a) for a in found):
+            return found
+    stop_job(store, rank, args, bad_value(rank, key, raw, args))
 
 
 def check_gloo_socket_ifname():
@@ -706,7 +728,7 @@ def gloo_failures(store, rank, args):
     """A process group Gloo cannot connect is one line on every machine: Gloo logs each failed connection attempt
     (held back here, as no setting silences it), then raises, and the processes still waiting stop too."""
     try:
-        with stderr_held_back() as stderr, stopped_with_the_job(store, rank, args, stderr):
+        with stderr_held_back() as stderr, stopped_with_the_job(rank, args, stderr):
             yield
     except RuntimeError as e:
         stop_job(store, rank, args, (
@@ -992,7 +1014,7 @@ def expand_counts(text):
 
 
 @contextlib.contextmanager
-def rendezvous(rank, world_size, is_master, args):
+def rendezvous(rank, world_size, is_master, args, listener):
     """Around the making of the store: wait until --master-addr resolves and, on the other processes, until machine
     0 listens, so that a machine 0 that never comes is reported clearly at --timeout; a store that cannot be served
     or reached is one line too. Yields TCPStore's other options (store_options)."""
@@ -1011,88 +1033,57 @@ def rendezvous(rank, world_size, is_master, args):
                 )
             time.sleep(0.5)
     try:
-        yield store_options(is_master, args)
+        yield store_options(is_master, args, listener)
     except (dist.DistError, OSError) as e:
-        if is_master:
-            cannot_serve(e, world_size, args)
-        sys.exit(f"error: rank {rank}: machine 0 at {where} does not answer as a rendezvous ({last_line(e)})")
+        verb = "cannot serve the rendezvous on" if is_master else "machine 0 does not answer as a rendezvous at"
+        sys.exit(f"error: rank {rank}: {verb} {where} ({last_line(e)})")
 
 
-def store_options(is_master, args):
+def store_options(is_master, args, listener):
     """TCPStore's other options. Rank 0 does not wait for the others to connect: the roll call waits, and names who
-    is missing. A store served on loopback listens on a socket bound there (loopback_listener), which libuv's
-    server takes from torch 2.8 on (pytorch#150215), and the older server before."""
-    listener = loopback_listener(args) if is_master else None
-    if listener is None:
+    is missing. Rank 0 serves on the socket claimed for it (claim_port), which libuv's server takes from torch 2.8
+    on, and the older server before; the other processes let go of their copy."""
+    if not is_master:
+        if listener is not None:
+            listener.close()
         return {"wait_for_workers": False}
-    return {"wait_for_workers": False, "master_listen_fd": listener, "use_libuv": torch.__version__ >= "2.8"}
+    listener = claim_port(args) if listener is None else listener  # a launcher's rank 0 claims it itself
+    if listener is None:  # Windows: TCPStore binds for itself
+        return {"wait_for_workers": False}
+    return {"wait_for_workers": False, "master_listen_fd": listener.detach(), "use_libuv": torch.__version__ >= "2.8"}
 
 
-def port_free_to_serve(args):
-    """Before this launch starts its workers, where one of them will serve the rendezvous: a port another program
-    holds is one line at once. Found later, the other workers would already be connected to that program, waiting
-    in C++ and deaf to a stop, until killed."""
-    if args.rank is not None or args.machine_id != 0 or os.name != "posix":  # Windows: a bind there may share a port
-        return
+def claim_port(args):
+    """On machine 0, before any worker starts: a socket listening on the rendezvous port, held until rank 0's store
+    serves on it, so that no other launch takes the port meanwhile; where none was given, a free port, which args
+    carry to the workers. A port another program holds is one line now, naming it. None off machine 0."""
+    if args.machine_id != 0:
+        return None
+    found = resolve(args.master_addr, 0, time.monotonic() + args.timeout)
+    # The store carries no authentication: where every process is on this machine, it listens on loopback only.
+    if args.num_machines == 1 and all(is_loopback(address[0]) for *_, address in found):
+        candidates = [(family, (address[0], args.master_port, *address[2:])) for family, *_, address in found]
+    else:  # every interface, as TCPStore binds: IPv6 and IPv4 where it can, else IPv4
+        candidates = [(socket.AF_INET6, ("::", args.master_port)), (socket.AF_INET, ("", args.master_port))]
     try:
-        listener = loopback_listener(args)
-        if listener is None:  # TCPStore listens on every interface: IPv6 and IPv4 where it can, else IPv4
-            listener = bound_socket(
-                [(socket.AF_INET6, ("::", args.master_port)), (socket.AF_INET, ("", args.master_port))]
-            )
-        os.close(listener)
+        listener = bound_socket(candidates)
+        listener.listen()
     except OSError as e:
-        cannot_serve(e, placement(args, 0)[1], args)
-
-
-def cannot_serve(error, world_size, args):
-    """Rank 0 cannot serve the rendezvous: said in one line, or, where it is this job's own rank 0 that serves it,
-    every process of the job stops (rank0_started_twice)."""
-    rank0_started_twice(world_size, args)
-    sys.exit(
-        f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} ({last_line(error)}): another "
-        "program may hold the port; choose a free --master-port"
-    )
-
-
-def rank0_started_twice(world_size, args):
-    """Rank 0 cannot serve the rendezvous: if this job's own rank 0 serves it (the same flags, another launch: a
-    --machine-id 0 given twice, or left out), every process of the job stops, naming it, not after --timeout."""
-    found = []
-
-    def ask():  # in a thread: a program that is no store may take the connection and never answer
-        with contextlib.suppress(dist.DistError, OSError, ValueError, RuntimeError):
-            store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master=False,
-                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
-            found.append((store, json.loads(store.get("job"))))
-
-    asking = threading.Thread(target=ask, daemon=True)
-    asking.start()
-    asking.join(5)
-    if found:
-        (store, first), me = found[0], record(0, world_size, args)
-        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
-            stop_job(store, 0, args, twice(0, first, me, args))
-
-
-def loopback_listener(args):
-    """A socket for the rendezvous to serve on, bound to --master-addr:--master-port, where every process is on
-    this machine and --master-addr is loopback: TCPStore would listen on every interface, and the store carries
-    no authentication. Returns its file descriptor, which TCPStore then owns. None otherwise: other machines, or
-    a --master-addr given to expose the job, reach it at an address this machine cannot tell (TCPStore listens
-    on every interface); and on Windows, where a given socket is untested."""
-    if args.num_machines > 1 or os.name != "posix":
+        free = ", or give none: a job on one machine takes a free one" if args.num_machines == 1 else ""
+        sys.exit(
+            f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} ({e.strerror or e}): "
+            f"{port_holder(args.master_port) or 'another program'} holds the port: choose a free --master-port{free}"
+        )
+    args.master_port = listener.getsockname()[1]
+    if os.name != "posix":  # Windows: TCPStore binds for itself, as a given socket is untested there
+        listener.close()
         return None
-    found = socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
-    if not all(is_loopback(address[0]) for *_, address in found):
-        return None
-    return bound_socket([(family, address) for family, _, _, _, address in found])  # in the order the others try
+    return listener
 
 
 def bound_socket(candidates):
     """A socket bound, not listening, to the first of candidates [(family, address)] this system has, as TCPStore
-    binds its own: SO_REUSEADDR (a port in TIME_WAIT is free), and IPv6 taking IPv4 too. The bind fails where another
-    program listens there. Returns its file descriptor."""
+    binds its own: SO_REUSEADDR (a port in TIME_WAIT is free), and IPv6 taking IPv4 too."""
     for i, (family, address) in enumerate(candidates):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -1100,10 +1091,27 @@ def bound_socket(candidates):
                 if family == socket.AF_INET6:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
                 s.bind(address)
-                return s.detach()
+                return socket.socket(family, socket.SOCK_STREAM, fileno=s.detach())
         except OSError as e:  # skip only an address this system lacks (::1 or :: where IPv6 is off)
             if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(candidates) - 1:
                 raise
+
+
+def port_holder(port):
+    """'pid N (its command)' of the process of this host that listens on port, from /proc (Linux); else None."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        sockets = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows = [row.split() for row in f.readlines()[1:]]
+            sockets |= {f"socket:[{r[9]}]" for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A"}
+        for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
+            with contextlib.suppress(OSError):
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
+                    return f"pid {pid} ({command[:100]})"
+    return None
 
 
 def resolve(name, rank, deadline):
@@ -1129,11 +1137,10 @@ def is_loopback(address):
 
 # One job, one decision. What changes the computation, or what travels between the processes, must be the same on
 # every machine (the first three are the layout, which a launcher decides where one started the job). What rank 0
-# writes is taken from its command on every rank, so that every rank enters the same collectives: machine 0 alone
-# needs these flags. The rest are each machine's own: where it reads the data, its threads, its log, its patience,
-# and how it reaches machine 0.
+# writes is taken from its command alone: machine 0 alone needs these flags. The rest are each machine's own: where
+# it reads the data, its threads, its log, its patience, and how it reaches machine 0.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size", "epochs",
-             "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model")  # fmt: skip
+             "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model", "backend")  # fmt: skip
 
 
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
@@ -1144,11 +1151,11 @@ MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id",
 
 def roll_call(store, rank, world_size, args):
     """Every process registers under its own rank's key (compare_set: a second claim finds the first), with its
-    machine, host, launch, what must agree (JOB_FLAGS) and what rank 0 writes (RANK0_FLAGS); rank 0 waits for every
-    rank, counts the machines, then says "ready". What cannot make one job stops every process within seconds, with
-    one line per machine: a rank or machine id given twice, or machines that disagree on a flag, the model or the
-    torch version. A process of another job (another launcher) at this address and port stops alone, never joining.
-    Every rank then takes rank 0's RANK0_FLAGS, and its machine's index and the job's layout."""
+    machine, host, launch, what must agree (JOB_FLAGS) and which files rank 0 writes (RANK0_FLAGS); rank 0 waits for
+    every rank, counts the machines, then says "ready". Until then, what cannot make one job stops every process
+    within seconds, with one line per machine: a rank or machine id given twice, or machines that disagree on a flag,
+    the model, torch or the backend. A process of another job, or one that comes once the job is ready, stops alone.
+    Every rank then takes its machine's index and the job's layout."""
     try:
         answer_roll_call(store, rank, world_size, args, time.monotonic() + args.timeout)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
@@ -1159,10 +1166,10 @@ def answer_roll_call(store, rank, world_size, args, deadline):
     me = record(rank, world_size, args)
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
     if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
-        first = json.loads(store.compare_set("job", "", mine))
-        if first != me:
-            stop_job(store, rank, args, twice(0, first, me, args))
-    job = json.loads(store.get("job"))  # rank 0's, once it has claimed the store
+        first = store.compare_set("job", "", mine)
+        if first != mine.encode():
+            stop_job(job_store(store), rank, args, twice(0, read_record(store, 0, args, first), me, args))
+    job = me if rank == 0 else read_record(store, rank, args, store.get("job"))  # rank 0 trusts only its own
     if args.machine_id == 0 and rank != 0 and args.launch_id is not None and job["launch"] != args.launch_id:
         # Machine 0's own rank 0 could not serve this address and port (another job holds it) and says so itself.
         time.sleep(2)
@@ -1174,16 +1181,19 @@ def answer_roll_call(store, rank, world_size, args, deadline):
             f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
             f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
     if differ:  # the same job, started otherwise on some machine: every machine stops, naming what differs
-        stop_job(store, rank, args, disagreement(differ, job, me))
-    held = json.loads(store.compare_set(f"rank/{rank}", "", mine))
-    if held != me:
-        stop_job(None if store.check(["ready"]) else store, rank, args, twice(rank, held, me, args))
+        stop_job(job_store(store), rank, args, disagreement(differ, job, me))
+    held = store.compare_set(f"rank/{rank}", "", mine)
+    if held != mine.encode():
+        stop_job(job_store(store), rank, args, twice(rank, read_record(store, rank, args, held), me, args))
     keys = [f"rank/{r}" for r in range(world_size)]
     while not store.check(["ready"]):
         if store.check(["abort"]):
-            stop_job(None, rank, args, store.get("abort").decode())
+            stop_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
         if rank == 0 and store.check(keys):
-            store.set("ready", json.dumps(count_machines([json.loads(store.get(key)) for key in keys], args)))
+            machine_of = count_machines(
+                [read_record(store, 0, args, store.get(key), r) for r, key in enumerate(keys)], args
+            )
+            store.set("ready", json.dumps(machine_of))
         elif rank == 0 and time.monotonic() > deadline:
             joined = sum(store.check([key]) for key in keys)
             stop_job(store, rank, args, (
@@ -1191,30 +1201,95 @@ def answer_roll_call(store, rank, world_size, args, deadline):
                 f"every machine (--num-machines {args.num_machines}, --machine-id 0 to {args.num_machines - 1}) "
                 "with the same --master-addr and --master-port"))  # fmt: skip
         time.sleep(0.1)
-    args.machine_of = json.loads(store.get("ready"))
-    args.machine_id, args.num_machines = args.machine_of[rank], max(args.machine_of) + 1
-    args.machine_sizes = [args.machine_of.count(m) for m in range(args.num_machines)]
+    ready = store.get("ready")
+    machine_of = from_json(ready)  # machines numbered 0, 1, ... in the order of their first rank
+    firsts = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
+    if not (isinstance(machine_of, list) and len(machine_of) == world_size
+            and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(firsts, machine_of))):  # fmt: skip
+        stop_job(store, rank, args, bad_value(rank, "ready", ready, args))
+    args.machine_of, args.machine_id, args.num_machines = machine_of, machine_of[rank], max(machine_of) + 1
+    args.machine_sizes = [machine_of.count(m) for m in range(args.num_machines)]
     take_rank0_files(job, me, rank, args)
+
+
+def job_store(store):
+    """The store through which a mistake stops every process, while the job is still forming; once it is ready,
+    nothing another launch does stops it (None: the mistaken process stops alone)."""
+    return None if store.check(["ready"]) else store
 
 
 def record(rank, world_size, args):
     """What a process says of itself at the roll call."""
     return {
         "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
-        "launch": args.launch_id, "launcher": args.launcher, "job": job_facts(args, world_size),
-        "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script_digest(),
+        "box": machine_identity(), "launch": args.launch_id, "launcher": args.launcher,
+        "job": job_facts(args, world_size), "files": {k: getattr(args, k) for k in RANK0_FLAGS},
+        "script": script_digest(),
     }  # fmt: skip
 
 
+# What a record holds, and of which type, checked before any of it is used: the store is unauthenticated.
+RECORD = {"rank": int, "machine": int, "host": str, "pid": int, "box": str, "launch": (str, type(None)),
+          "launcher": (str, type(None)), "job": dict, "files": dict, "script": str}  # fmt: skip
+
+
+def read_record(store, rank, args, raw, owner=None):
+    """A record another process wrote (raw, as the store returned it), checked: a record from another version of
+    this script, or a value no version writes, is one line on every machine, not a traceback."""
+    found = from_json(raw)
+    if isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in RECORD.items()):
+        if (
+            type(found["rank"]) is int
+            and owner in (None, found["rank"])
+            and isinstance(found["job"].get("model", []), list)
+        ):
+            return found
+    if isinstance(found, dict) and isinstance(found.get("script"), str) and found["script"] != script_digest():
+        line = (
+            f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version of "
+            f"{os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to every machine"
+        )
+        stop_job(job_store(store), rank, args, line)
+    stop_job(job_store(store), rank, args, bad_value(rank, "a record", raw, args))
+
+
+def from_json(raw):
+    """raw parsed as JSON, or None where it is no JSON of a sensible size."""
+    with contextlib.suppress(ValueError, RecursionError):
+        return json.loads(raw) if len(raw) < 1 << 16 else None
+    return None
+
+
+def bad_value(rank, key, raw, args):
+    return (
+        f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which no process of this "
+        f"job wrote: another program uses {args.master_addr}:{args.master_port}; choose another --master-port"
+    )
+
+
+def machine_identity():
+    """What tells machines apart where no launcher numbers them (MPI): the host name, and the kernel's boot and the
+    network namespace, which two hosts or containers that share a name do not share."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(os.readlink("/proc/self/ns/net"))
+    return " ".join(parts)
+
+
 def job_facts(args, world_size):
-    """What this process says must agree across the job (JOB_FLAGS): its flags, its torch and its model."""
+    """What this process says must agree across the job (JOB_FLAGS): its flags, its torch, its model and backend."""
     facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k)}
     if args.rank is not None:  # a launcher decided the layout (and may put more processes on one machine)
         for k in ("num_machines", "num_processes", "num_gpu_processes"):
             facts.pop(k, None)
     with torch.device("meta"):  # the parameters' names and shapes, with no memory and no random numbers drawn
         shapes = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
-    return {**facts, "world_size": world_size, "torch": torch.__version__.split("+")[0], "model": shapes}
+    return {
+        **facts, "world_size": world_size, "torch": torch.__version__.split("+")[0], "model": shapes,
+        "backend": f"{BACKEND} ({os.path.basename(__file__)})",
+    }  # fmt: skip
 
 
 def script_digest():
@@ -1224,7 +1299,7 @@ def script_digest():
 
 
 def flag_name(key):
-    return key.replace("_", " ") if key in ("world_size", "torch") else "--" + key.replace("_", "-")
+    return key.replace("_", " ") if key in ("world_size", "torch", "backend") else "--" + key.replace("_", "-")
 
 
 def flag_words(key, value):
@@ -1235,17 +1310,18 @@ def flag_words(key, value):
 
 
 def disagreement(differ, job, me):
-    """The line for machines whose flags, model or torch differ: what each has, and what to do."""
+    """The line for machines whose flags, model, torch or backend differ: what each has, and what to do."""
     if "model" in differ:  # only the parameters that differ, not all of them
         theirs, ours = job["job"]["model"], me["job"]["model"]
         at = next(i for i in range(max(len(theirs), len(ours))) if theirs[i : i + 1] != ours[i : i + 1])
         what, fix = "the model", "run one copy of the script on every machine"
-        theirs, ours = (", ".join(m[at : at + 1]) or "fewer parameters" for m in (theirs, ours))
+        theirs, ours = (", ".join(map(str, m[at : at + 1])) or "fewer parameters" for m in (theirs, ours))
     else:
         what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_name, differ))
         theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
         fix = (
             "install one torch version on every machine" if differ == ["torch"]
+            else "run one script on every machine: the CPU one, or the GPU one" if "backend" in differ
             else "start every machine with the same --num-machines and processes per machine"
             if what == "the layout" else f"start every machine with the same {what}"
         )  # fmt: skip
@@ -1257,9 +1333,9 @@ def disagreement(differ, job, me):
 
 def count_machines(records, args):
     """Rank 0, once every rank has joined: each rank's machine index, machines numbered in the order of their first
-    rank, told apart by --machine-id (or the launcher's variable), or, under MPI, by host. Names a machine whose
-    script differs from machine 0's: a warning, as the flags, the model and torch agree (roll_call)."""
-    key, index = "host" if args.by_host else "machine", {}
+    rank, told apart by --machine-id (or the launcher's variable), or, under MPI, by host (machine_identity). Names a
+    machine whose script differs from machine 0's: a warning, as the flags, the model and torch agree (roll_call)."""
+    key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
     named = {}  # one warning per machine
     for r in records:
@@ -1275,9 +1351,10 @@ def count_machines(records, args):
 
 
 def take_rank0_files(job, me, rank, args):
-    """Every rank acts on rank 0's --checkpoint, --resume and --metrics-json. Each machine says once where its own
-    differ (a flag given there, unused)."""
-    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"][k]]
+    """Rank 0 reads and writes the job's files, as its own command says; the other ranks learn only which it
+    writes, for the collective save, never a path. Each machine says once where its own flags differ (unused)."""
+    theirs = job["files"]
+    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != theirs.get(k)]
     if ignored and local_rank_of(rank, args) == 0 and args.machine_id != 0:
         print(
             f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 reads "
@@ -1285,8 +1362,9 @@ def take_rank0_files(job, me, rank, args):
             file=sys.stderr,
             flush=True,
         )
-    for k in RANK0_FLAGS:
-        setattr(args, k, job["files"][k])
+    if rank != 0:
+        for k in RANK0_FLAGS:
+            setattr(args, k, bool(theirs.get(k)))
 
 
 def twice(rank, first, second, args):
@@ -1298,19 +1376,43 @@ def twice(rank, first, second, args):
     )
 
 
+def check_same_data(data, rank, args):
+    """Every machine trains on the same data, or every machine stops: a copy whose labels differ (older, damaged)
+    parses, and each rank would train on its shard of its own machine's copy. Each machine's local rank 0 hashes
+    the four files' tensors; a collective, before DDP."""
+    digests = (
+        [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if local_rank_of(rank, args) == 0 else None
+    )
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), digests))
+    names = ("training images", "training labels", "test images", "test labels")
+    for machine, host, theirs in (e for e in everyone if e[2] is not None and e[2] != everyone[0][2]):
+        differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
+        line = (
+            f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} {differ} "
+            f"differ from machine 0's ({everyone[0][1]}): copy machine 0's {raw_folder(args)} to every machine"
+        )
+        stop_job(None, rank, args, line)
+
+
 @contextlib.contextmanager
-def stopped_with_the_job(store, rank, args, stderr=2):
+def stopped_with_the_job(rank, args, stderr=2):
     """Around the backend's connecting of the group, where every process waits in C++ for every other (Gloo up to
     5 x --timeout): a process that failed there leaves its line in the store (stop_job), and this one stops within a
     second, saying it on stderr (the descriptor, where file descriptor 2 is held back), instead of waiting for a
-    process that is gone."""
+    process that is gone. The watch has a store client of its own: a client's calls wait for each other, and the
+    backend's set-up holds one in a blocking get."""
     done = threading.Event()
 
     def watch():
-        while not done.wait(0.5):
-            with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
+        with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
+            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                                  timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # fmt: skip
+            if args.launcher == "torchrun":
+                store = dist.PrefixStore(torchrun_attempt(), store)
+            while not done.wait(0.5):
                 if store.check(["abort"]):
-                    line = store.get("abort").decode()
+                    line = store.get("abort").decode(errors="replace").strip()[:2000]
                     time.sleep(1)  # if the store is this process's, the other processes may not have read it yet
                     if local_rank_of(rank, args) != 0:  # one line per machine, as stop_job says it
                         time.sleep(2)
@@ -1324,6 +1426,12 @@ def stopped_with_the_job(store, rank, args, stderr=2):
     finally:
         done.set()
         watcher.join(5)
+
+
+def torchrun_attempt():
+    """The key prefix of this torchrun attempt: torchrun's store outlives a restart, which must not read the last
+    attempt's keys."""
+    return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
 
 
 def stop_job(store, rank, args, line):
@@ -1715,19 +1823,24 @@ def shortfall_line(left_out, free=None):
 # ---- S6. Processes, signals and exit --------------------------------------------------------------------------
 
 
-def run_workers(args, data, nprocs):
+def run_workers(args, data, nprocs, listener):
     """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
     # spawn logs every stop it makes; the failed worker's own message says more.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
-        port_free_to_serve(args)
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
         given = data_for_workers(data, args)
         with stop_signals_held() as held:
             context = mp.start_processes(
-                spawned_worker, args=(args, given, held), nprocs=nprocs, join=False, start_method=start_method()
+                spawned_worker,
+                args=(args, given, listener, held),
+                nprocs=nprocs,
+                join=False,
+                start_method=start_method(),
             )
+        if listener is not None:  # rank 0 holds it now
+            listener.close()
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
@@ -1747,13 +1860,13 @@ def run_workers(args, data, nprocs):
         stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
 
 
-def spawned_worker(local_rank, args, data, held):
+def spawned_worker(local_rank, args, data, listener, held):
     mask, ctrl_c = held
     stop_on_signals(ctrl_c)
     stop_with_launcher()
     try:
         let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
-        worker(local_rank, args, data)
+        worker(local_rank, args, data, listener)
     except KeyboardInterrupt:
         exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
     except Terminated:
@@ -1880,6 +1993,11 @@ def exit_at_once(status=0):
     exits 1). Tearing down pages torch's libraries back in (the CUDA build's above all) only to unload them, for
     about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
     ("terminate called without an active exception") as the interpreter goes."""
+    with contextlib.suppress(
+        ValueError
+    ):  # a stop now would only cut the exit short (main thread only: else ValueError)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
         sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1

@@ -599,6 +599,11 @@ def exit_at_once(status=0):
     exits 1). Tearing down pages torch's libraries back in (the CUDA build's above all) only to unload them, for
     about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
     ("terminate called without an active exception") as the interpreter goes."""
+    with contextlib.suppress(
+        ValueError
+    ):  # a stop now would only cut the exit short (main thread only: else ValueError)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
         sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1

@@ -22,8 +22,8 @@ def worker_on_cpu(local_rank, args):
     """A rank of the script's own worker, with its one choice of backend and device pointed at Gloo and the CPU."""
     init_process_group = dist.init_process_group
 
-    def on_gloo(backend, **kwargs):
-        assert backend == "nccl"
+    def on_gloo(backend, device_id=None, **kwargs):
+        assert backend == "nccl" and device_id is not None  # NCCL connects inside the script's guard
         init_process_group("gloo", **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -129,7 +129,7 @@ torch.cuda.set_device, torch.cuda.current_device = lambda index: None, lambda: 0
 torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=uuid)
 import convnet_distributed_cuda as script
 init_process_group, select_device = dist.init_process_group, script.select_device
-dist.init_process_group = lambda backend, **kwargs: init_process_group("gloo", **kwargs)
+dist.init_process_group = lambda backend, device_id=None, **kwargs: init_process_group("gloo", **kwargs)
 script.select_device = lambda local_rank: (select_device(local_rank), torch.device("cpu"))[1]
 sys.argv = ["convnet_distributed_cuda.py", *sys.argv[3:]]
 try:

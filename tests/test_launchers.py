@@ -195,12 +195,26 @@ def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch,
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(len(hosts)), OMPI_COMM_WORLD_LOCAL_RANK="0",
                OMPI_COMM_WORLD_LOCAL_SIZE=str(sizes[0]), MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
-    records = [{"rank": r, "host": h, "machine": 0, "script": "same"} for r, h in enumerate(hosts)]
+    records = [{"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same"} for r, h in enumerate(hosts)]
     machine_of = convnet_distributed.count_machines(records, args)
     assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
     args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
     assert args.machine_sizes == sizes
     assert convnet_distributed.layout_line(len(hosts), args, "gloo").startswith(line)
+
+
+def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch):
+    """Under MPI the machines were told apart by host name alone: two hosts named alike (containers, cloned VMs)
+    counted as one, and their ranks averaged their gradients in a /dev/shm neither shared. The kernel's boot and
+    the network namespace tell them apart."""
+    env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
+               OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="a")  # fmt: skip
+    args, _ = layout(convnet_distributed, monkeypatch, env)
+    mine = convnet_distributed.machine_identity()
+    assert mine.startswith(f"{socket.gethostname()} ") and "net:[" in mine
+    boxes = [mine, mine, mine.replace("net:[", "net:[9"), mine.replace("net:[", "net:[9")]
+    records = [{"rank": r, "host": "node", "box": b, "machine": 0, "script": "same"} for r, b in enumerate(boxes)]
+    assert convnet_distributed.count_machines(records, args) == [0, 0, 1, 1]
 
 
 def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
