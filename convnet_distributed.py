@@ -240,6 +240,7 @@ def join_group(rank, world_size, args, listener=None):
     choose_gloo_interface(store, rank, world_size, args)  # the address the other machines reach this one at
     with gloo_failures(store, rank, args):  # Gloo connects every pair of processes here, on ports the system picks
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    follow_rank0_files(args)  # every rank enters the collectives of the files rank 0 writes
 
 
 def data_parallel(model, rank, world_size, args):
@@ -1209,7 +1210,7 @@ def answer_roll_call(store, rank, world_size, args, deadline):
         stop_job(store, rank, args, bad_value(rank, "ready", ready, args))
     args.machine_of, args.machine_id, args.num_machines = machine_of, machine_of[rank], max(machine_of) + 1
     args.machine_sizes = [machine_of.count(m) for m in range(args.num_machines)]
-    take_rank0_files(job, me, rank, args)
+    unused_files(job, me, rank, args)
 
 
 def job_store(store):
@@ -1350,11 +1351,10 @@ def count_machines(records, args):
     return machine_of
 
 
-def take_rank0_files(job, me, rank, args):
-    """Rank 0 reads and writes the job's files, as its own command says; the other ranks learn only which it
-    writes, for the collective save, never a path. Each machine says once where its own flags differ (unused)."""
-    theirs = job["files"]
-    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != theirs.get(k)]
+def unused_files(job, me, rank, args):
+    """Rank 0 reads and writes the job's files, as its own command says. Each other machine says once where its own
+    file flags differ: given there, unused."""
+    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k)]
     if ignored and local_rank_of(rank, args) == 0 and args.machine_id != 0:
         print(
             f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 reads "
@@ -1362,9 +1362,16 @@ def take_rank0_files(job, me, rank, args):
             file=sys.stderr,
             flush=True,
         )
-    if rank != 0:
-        for k in RANK0_FLAGS:
-            setattr(args, k, bool(theirs.get(k)))
+
+
+def follow_rank0_files(args):
+    """Every rank enters the collectives of the saves and the resume that rank 0's command asks for: rank 0 says
+    which files it writes over the group, never a path, and never through the store, which anyone may write."""
+    said = [{k: bool(getattr(args, k)) for k in RANK0_FLAGS}]
+    dist.broadcast_object_list(said, src=0)
+    if dist.get_rank() != 0:
+        for k, v in said[0].items():
+            setattr(args, k, v)
 
 
 def twice(rank, first, second, args):
@@ -1390,7 +1397,7 @@ def check_same_data(data, rank, args):
         differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
         line = (
             f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} {differ} "
-            f"differ from machine 0's ({everyone[0][1]}): copy machine 0's {raw_folder(args)} to every machine"
+            f"differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every machine's --data-dir"
         )
         stop_job(None, rank, args, line)
 
