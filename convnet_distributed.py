@@ -1353,7 +1353,8 @@ def reach_every_machine(store, rank, args):
     where the others reached the rendezvous). One that takes no part within 10 s (another script) is let be."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
-    me, wait = args.machine_id, timedelta(seconds=10)
+    me, deadline = args.machine_id, time.monotonic() + 10
+    others = [m for m in range(args.num_machines) if m != me]
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
     if store.check([f"machine/{me}"]):
@@ -1364,14 +1365,15 @@ def reach_every_machine(store, rank, args):
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
             with stopped_with_the_job(store, rank, args):  # another machine's line stops this one
-                for m in (m for m in range(args.num_machines) if m != me):
-                    store.wait([f"probe/{m}"], wait)
+                if not all_set(store, [f"probe/{m}" for m in others], deadline):
+                    return
+                for m in others:
                     value = store.get(f"probe/{m}")
                     address, at, host = value.decode().split() if len(value) < 300 else ()
                     address = far if is_loopback(address) else address
                     socket.create_connection((address, int(at)), timeout=5).close()
                 store.set(f"probed/{me}", "1")
-                store.wait([f"probed/{m}" for m in range(args.num_machines)], wait)  # listening until all have tried
+                all_set(store, [f"probed/{m}" for m in others], deadline)  # listening until the others have tried
         except dist.DistError:
             return
         except (ValueError, OverflowError):
@@ -1383,6 +1385,14 @@ def reach_every_machine(store, rank, args):
                 f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at {address} port "
                 f"{at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP ports between the machines, "
                 f"or set {BACKEND.upper()}_SOCKET_IFNAME on each to the interface that reaches them"))  # fmt: skip
+
+
+def all_set(store, keys, deadline):
+    """Whether every key is set by deadline. A blocking wait would hold the store's connection, which
+    stopped_with_the_job's watcher shares: another machine's line would not stop this process."""
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.check(keys)
 
 
 # ---- S3. Compression for slow links ---------------------------------------------------------------------------
