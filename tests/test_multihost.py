@@ -455,14 +455,17 @@ FIREWALL_SECONDS = 30  # start-up, the roll call and a few seconds' check; Gloo 
 
 
 @pytest.mark.timeout(FIREWALL_SECONDS + 60)
-def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(network, data_dir, tmp_path):
-    """Each machine drops every new incoming TCP connection but those to machine 0's --master-port, as users do when
-    told to "open the port". The rendezvous worked, then Gloo's connections waited out the kernel's SYN retries,
-    whatever --timeout. Now each machine names which cannot reach which, and where, within seconds of the roll call."""
+@pytest.mark.parametrize("walled", [(0, 1), (1,)])
+def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(network, data_dir, tmp_path, walled):
+    """The walled machines drop every new incoming TCP connection but those to machine 0's --master-port, as users do
+    when told to "open the port". The rendezvous worked, then Gloo's connections waited out the kernel's SYN retries,
+    whatever --timeout. Now each machine names which cannot reach which, and where, within seconds of the roll call:
+    where machine 1 alone is walled, machine 0 finds it, and machine 1 says machine 0's line, though machine 0 serves
+    the store and goes first."""
     if not shutil.which("iptables"):
         pytest.skip("needs iptables (Debian: apt-get install iptables)")
     port = random_port()
-    for ns in (network.ns_a, network.ns_b):
+    for ns in ((network.ns_a, network.ns_b)[m] for m in walled):
         rules = [["-i", "lo", "-j", "ACCEPT"], ["-p", "tcp", "--syn", "!", "--dport", port, "-j", "DROP"]]
         for rule in rules:
             subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *map(str, rule)], check=True)
@@ -480,8 +483,11 @@ def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(ne
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and named.fullmatch(lines[0]), describe(results)
         unreachable = named.fullmatch(lines[0])
+        assert int(unreachable[2]) in walled, lines[0]
         assert unreachable[3] == (network.addr_a, network.addr_b)[int(unreachable[2])], lines[0]
         assert "Check passed" not in r.stdout
+    if walled == (1,):  # one line, the machine that found it: on both machines
+        assert results[0].stderr == results[1].stderr, describe(results)
     assert_namespaces_empty(network)
 
 
