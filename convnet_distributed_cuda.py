@@ -1122,12 +1122,12 @@ def reach_every_machine(store, rank, args):
                     value = store.get(f"probe/{m}")
                     address, at, host = value.decode().split() if len(value) < 300 else ()
                     address = far if is_loopback(address) else address
-                    socket.create_connection((address, int(at)), timeout=5).close()
+                    socket.create_connection((address, port(at)), timeout=5).close()
                 store.set(f"probed/{me}", "1")
                 all_set(store, [f"probed/{m}" for m in others], deadline)  # listening until the others have tried
         except dist.DistError:
             return
-        except (ValueError, OverflowError):
+        except (ValueError, argparse.ArgumentTypeError):  # port(): not in 1-65535
             stop_job(store, rank, args, (
                 f"error: machine {m} published {value[:80]!r} for the reachability check, not its address, port "
                 "and host: run one copy of this script on every machine"))  # fmt: skip
