@@ -1360,7 +1360,7 @@ def reach_every_machine(store, rank, args):
     if store.check([f"machine/{me}"]):
         with contextlib.suppress(ValueError):  # no address where this system cannot list its interfaces
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
-    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # IPv6 taking IPv4 too
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # every address, IPv4 too
     with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
@@ -1374,7 +1374,7 @@ def reach_every_machine(store, rank, args):
                     socket.create_connection((address, port(at)), timeout=5).close()
                 store.set(f"probed/{me}", "1")
                 all_set(store, [f"probed/{m}" for m in others], deadline)  # listening until the others have tried
-        except dist.DistError:
+        except dist.DistError:  # the store went: the backend will say why
             return
         except (ValueError, argparse.ArgumentTypeError):  # port(): not in 1-65535
             stop_job(store, rank, args, (
