@@ -238,6 +238,7 @@ def join_group(rank, world_size, args, listener=None):
         store = dist.PrefixStore(torchrun_attempt(), store)
     roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
     choose_gloo_interface(store, rank, world_size, args)  # the address the other machines reach this one at
+    reach_every_machine(store, rank, args)  # a firewall that lets the rendezvous port alone through
     with gloo_failures(store, rank, args):  # Gloo connects every pair of processes here, on ports the system picks
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     follow_rank0_files(args)  # every rank enters the collectives of the files rank 0 writes
@@ -1457,6 +1458,56 @@ def stop_job(store, rank, args, line):
 
 def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
+
+
+def reach_every_machine(store, rank, args):
+    """Each machine's local rank 0 checks that it reaches every other machine on a port other than the rendezvous's,
+    as the backend must: behind a firewall open on the rendezvous port alone, the backend waits out the system's
+    connection retries, minutes whatever --timeout. A machine is reached where its backend listens: the address
+    choose_gloo_interface published (the CPU script), else its end of a connection to the rendezvous (if loopback,
+    where the others reached the rendezvous). One that takes no part within 10 s (another script) is let be."""
+    if args.num_machines == 1 or local_rank_of(rank, args) != 0:
+        return
+    me, deadline = args.machine_id, time.monotonic() + 10
+    others = [m for m in range(args.num_machines) if m != me]
+    with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
+        near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
+    if store.check([f"machine/{me}"]):
+        with contextlib.suppress(ValueError):  # no address where this system cannot list its interfaces
+            near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # every address, IPv4 too
+    with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as listener:
+        store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
+        try:
+            with stopped_with_the_job(store, rank, args):  # another machine's line stops this one
+                if not all_set(store, [f"probe/{m}" for m in others], deadline):
+                    return
+                for m in others:
+                    value = store.get(f"probe/{m}")
+                    address, at, host = value.decode().split() if len(value) < 300 else ()
+                    address = far if is_loopback(address) else address
+                    socket.create_connection((address, port(at)), timeout=5).close()
+                store.set(f"probed/{me}", "1")
+                all_set(store, [f"probed/{m}" for m in others], deadline)  # listening until the others have tried
+        except dist.DistError:  # the store went: the backend will say why
+            return
+        except (ValueError, argparse.ArgumentTypeError):  # port(): not in 1-65535
+            stop_job(store, rank, args, (
+                f"error: machine {m} published {value[:80]!r} for the reachability check, not its address, port "
+                "and host: run one copy of this script on every machine"))  # fmt: skip
+        except OSError as e:
+            stop_job(store, rank, args, (
+                f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at {address} port "
+                f"{at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP ports between the machines, "
+                f"or set {BACKEND.upper()}_SOCKET_IFNAME on each to the interface that reaches them"))  # fmt: skip
+
+
+def all_set(store, keys, deadline):
+    """Whether every key is set by deadline. A blocking wait would hold the store's connection, which
+    stopped_with_the_job's watcher shares: another machine's line would not stop this process."""
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.check(keys)
 
 
 # ---- S3. Compression for slow links ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Needs root and iproute2 (`ip netns`) and util-linux (`unshare`); skipped otherwi
 
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -447,6 +448,46 @@ def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir,
         assert len(lines) == 1 and lines[0].startswith("error: rank "), describe([r])
         assert "Gloo cannot connect the processes" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]  # what to do
         assert "epoch: " not in r.stdout
+    assert_namespaces_empty(network)
+
+
+FIREWALL_SECONDS = 30  # start-up, the roll call and a few seconds' check; Gloo waited out the SYN retries: 139 s
+
+
+@pytest.mark.timeout(FIREWALL_SECONDS + 60)
+@pytest.mark.parametrize("walled", [(0, 1), (1,)])
+def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(network, data_dir, tmp_path, walled):
+    """The walled machines drop every new incoming TCP connection but those to machine 0's --master-port, as users do
+    when told to "open the port". The rendezvous worked, then Gloo's connections waited out the kernel's SYN retries,
+    whatever --timeout. Now each machine names which cannot reach which, and where, within seconds of the roll call:
+    where machine 1 alone is walled, machine 0 finds it, and machine 1 says machine 0's line, though machine 0 serves
+    the store and goes first."""
+    if not shutil.which("iptables"):
+        pytest.skip("needs iptables (Debian: apt-get install iptables)")
+    port = random_port()
+    for ns in ((network.ns_a, network.ns_b)[m] for m in walled):
+        rules = [["-i", "lo", "-j", "ACCEPT"], ["-p", "tcp", "--syn", "!", "--dport", port, "-j", "DROP"]]
+        for rule in rules:
+            subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *map(str, rule)], check=True)
+    machines = script_machines(
+        network, port, data_dir, tmp_path, env_without_interface(), timeout=300, extra=["--check"]
+    )
+    results = finish_all(machines, FIREWALL_SECONDS)
+    named = re.compile(
+        rf"error: machine (0|1) \(node\1\) cannot reach machine (?!\1)(0|1) \(node\2\) at "
+        rf"({re.escape(network.addr_a)}|{re.escape(network.addr_b)}) port \d+ \(timed out\), though it reaches the "
+        "rendezvous: open all TCP ports between the machines, or set GLOO_SOCKET_IFNAME on each to the interface "
+        "that reaches them"
+    )
+    for r in results:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and named.fullmatch(lines[0]), describe(results)
+        unreachable = named.fullmatch(lines[0])
+        assert int(unreachable[2]) in walled, lines[0]
+        assert unreachable[3] == (network.addr_a, network.addr_b)[int(unreachable[2])], lines[0]
+        assert "Check passed" not in r.stdout
+    if walled == (1,):  # one line, the machine that found it: on both machines
+        assert results[0].stderr == results[1].stderr, describe(results)
     assert_namespaces_empty(network)
 
 

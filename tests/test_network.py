@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 import convnet_distributed
 from conftest import FILES, REPO, finish, free_port, read_json, run_script, script_env, write_dataset
@@ -34,6 +35,25 @@ def test_interface_addresses_lists_ipv4_before_ipv6():
     addresses = convnet_distributed.interface_addresses()
     assert addresses["lo"][0] == "127.0.0.1"  # IPv4 first: the one Gloo takes from an interface with both
     assert all(not a.startswith("fe80") for a in addresses["lo"])
+
+
+@pytest.mark.parametrize(
+    "value", [b"node1", b"10.0.0.2 99999 node1", b"\xff\xfe 4242 node1", b"10.0.0.2 1 " + b"x" * 300]
+)
+def test_a_bad_value_for_the_reachability_check_is_one_line(clean_env, value):
+    """What machine 1 published for the check, read by machine 0, is not an address, a port and a host (another
+    program, another version of the script): one line naming the machine, never a traceback."""
+    port = free_port()
+    args = convnet_distributed.parse_args(["--num-machines", "2", "--num-processes", "1", "--master-port", str(port)])
+    store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    store.set("probe/1", value)
+    with pytest.raises(SystemExit) as exited:
+        convnet_distributed.reach_every_machine(store, 0, args)
+    line = str(exited.value)
+    assert line.startswith("error: machine 1 published b") and line.endswith(
+        "run one copy of this script on every machine"
+    )
+    assert len(line) < 300 and "\n" not in line
 
 
 def test_a_master_addr_that_does_not_resolve_is_one_line(data_dir):
