@@ -1218,13 +1218,13 @@ def reach_every_machine(store, rank, args):
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
     if store.check([f"machine/{me}"]):
-        with contextlib.suppress(ValueError):  # no address where this system cannot list its interfaces
+        with contextlib.suppress(ValueError, TypeError, LookupError):  # none where interfaces cannot be listed
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # every address, IPv4 too
     with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            with stopped_with_the_job(store, rank, args):  # another machine's line stops this one
+            with stopped_with_the_job(rank, args):  # another machine's line stops this one
                 if not all_set(store, [f"probe/{m}" for m in others], deadline):
                     return
                 for m in others:
@@ -1248,11 +1248,11 @@ def reach_every_machine(store, rank, args):
 
 
 def all_set(store, keys, deadline):
-    """Whether every key is set by deadline. A blocking wait would hold the store's connection, which
-    stopped_with_the_job's watcher shares: another machine's line would not stop this process."""
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return store.check(keys)
+    """Whether every key is set by deadline."""
+    with contextlib.suppress(dist.DistStoreError):  # the wait timed out
+        store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
+        return True
+    return False
 
 
 # ---- S3. Compression for slow links ---------------------------------------------------------------------------
