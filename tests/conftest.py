@@ -63,6 +63,20 @@ def write_dataset(root, folder="MNIST", gz=False, n_train=N_TRAIN, n_test=N_TEST
     return root
 
 
+# CI (.ci/run) sets CONVNET_REQUIRE_ALL=1: a test that would skip for want of a facility (namespaces, a mount, a
+# cgroup, SLURM, mpirun, the data set...) fails instead, so that a broken set-up cannot pass with a feature unchecked.
+# Only tests marked `gpu` may still skip.
+REQUIRE_ALL = os.environ.get("CONVNET_REQUIRE_ALL") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("gpu"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"skipped under CONVNET_REQUIRE_ALL=1: {reason}"
+
+
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, tmp_path_factory):
     """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound

@@ -15,7 +15,11 @@ import convnet_distributed_cuda as cuda_script
 from conftest import N_TEST, REPO, finish, free_port, read_json, run_script, script_env, spawn_bounded, tensors
 from test_faults import left_running
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+
+def needs_gpu(test):
+    """The one kind of test that may skip under CI's CONVNET_REQUIRE_ALL=1 (conftest.py): one that needs a GPU."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+    return pytest.mark.gpu(skip(test))
 
 
 def worker_on_cpu(local_rank, args):
