@@ -139,8 +139,9 @@ def default_ctrl_c():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(script, *args, env=None, python_flags=(), cwd=None):
-    """Start a script as a user would; returns the Popen."""
+def launch(script, *args, env=None, python_flags=(), cwd=None, cgroup=None):
+    """Start a script as a user would, in the cgroup whose cgroup.procs file is given (as a container would);
+    returns the Popen."""
     cmd = [sys.executable, *python_flags, os.path.join(REPO, script), *map(str, args)]
     return subprocess.Popen(
         cmd,
@@ -150,8 +151,13 @@ def launch(script, *args, env=None, python_flags=(), cwd=None):
         env=env or script_env(),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=default_ctrl_c,
+        preexec_fn=default_ctrl_c if cgroup is None else lambda: (default_ctrl_c(), join_cgroup(cgroup)),
     )
+
+
+def join_cgroup(procs):
+    with open(procs, "w") as f:
+        f.write("0")  # 0: the process that writes
 
 
 def finish(proc, timeout=120):
