@@ -4,6 +4,7 @@ import fcntl
 import gzip
 import json
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -108,9 +109,19 @@ def data_dir(tmp_path_factory):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range (as test_multihost.py's random_port): the kernel hands the
+    ports of that range to outgoing connections, the other pytest worker's Gloo and store ones among them, and
+    one could take a port handed out from it before the script listens on it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    while True:
+        port = low - 1 - secrets.randbelow(min(12000, low - 1024))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # taken
+                continue
 
 
 # Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
