@@ -131,7 +131,10 @@ def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path)
         timeout=60,
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert len(result.stderr.strip().splitlines()) == 1 and "(see --help)" in result.stderr, result.stderr
+    # Two mistakes: the first found is named, in one line.
+    missing = tmp_path / "missing"
+    assert result.stderr == f"{script}: error: --metrics-json: cannot write to folder {missing} (see --help)\n"
+    assert os.listdir(tmp_path) == ["not-a-folder"]  # nothing started: no download
 
 
 # Faults: the whole job ends, within a bound, saying why.
@@ -214,7 +217,7 @@ def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
         ck,
         *extra,
     )
-    wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
+    lines = wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
     # A terminal's Ctrl-C reaches the whole foreground process group; `kill -INT` reaches the launcher alone.
     if target == "group":
         os.killpg(proc.pid, signal.SIGINT)
@@ -225,17 +228,24 @@ def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
     assert "Interrupted" in result.stderr and str(ck) in result.stderr and "Traceback" not in result.stderr
     assert seconds < 30
     assert left_running(proc.pid) == []
-    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+    assert torch.load(ck, weights_only=True)["epoch"] == last_complete_epoch(lines, result)
 
 
-def assert_terminated(result, ck, seconds, pgid):
+def last_complete_epoch(lines, result):
+    """The last epoch whose test line the run printed, before (lines) or after the stop: what its checkpoint holds.
+    The stop came in epoch 1 or later: at least epoch 0."""
+    output = [*lines, *result.stdout.splitlines()]
+    return max(int(line.split()[3].rstrip(":")) for line in output if line.startswith("Test set, epoch "))
+
+
+def assert_terminated(result, ck, seconds, pgid, lines):
     """SIGTERM's end: status 143, one line saying so, within seconds, nothing left, the checkpoint whole."""
     assert result.returncode == 143, result.stderr
     assert result.stderr.startswith("Terminated (SIGTERM)") and str(ck) in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert seconds < 30
     assert left_running(pgid) == []
-    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+    assert torch.load(ck, weights_only=True)["epoch"] == last_complete_epoch(lines, result)
     assert [p.name for p in ck.parent.iterdir() if p.name.startswith(".tmp-")] == []
 
 
@@ -253,13 +263,13 @@ def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_
     extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
     proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50, "--log-interval", 1,
                   "--checkpoint", ck, *extra)  # fmt: skip
-    wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
+    lines = wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
     if target == "group":
         os.killpg(proc.pid, signal.SIGTERM)
     else:
         proc.send_signal(signal.SIGTERM)
     result, seconds = ended(proc, within=60)
-    assert_terminated(result, ck, seconds, proc.pid)
+    assert_terminated(result, ck, seconds, proc.pid, lines)
 
 
 SIGNAL_AT_FORK = """
@@ -347,13 +357,13 @@ def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), start_new_session=True
     )
-    wait_for_line(proc, "epoch: 1 [3/")
+    read = wait_for_line(proc, "epoch: 1 [3/")
     proc.send_signal(signal.SIGTERM)  # torchrun sends SIGTERM to each worker
     result, seconds = ended(proc, within=60)
     lines = [line for line in result.stderr.splitlines() if "Terminated (SIGTERM)" in line]
     assert lines == [f"Terminated (SIGTERM): every process of this launch stopped; {ck} holds the last complete epoch"]
     assert seconds < 30 and left_running(proc.pid) == []
-    assert torch.load(ck, weights_only=True)["epoch"] >= 0
+    assert torch.load(ck, weights_only=True)["epoch"] == last_complete_epoch(read, result)
 
 
 def test_workers_stop_when_their_launcher_is_killed(data_dir):
@@ -399,10 +409,10 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path)
     whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
     assert whole.returncode == 0, whole.stderr
     stopped = run(name="stopped.json")
-    wait_for_line(stopped, "epoch: 1 [2/")
+    lines = wait_for_line(stopped, "epoch: 1 [2/")
     stopped.send_signal(signal.SIGTERM)
     result, seconds = ended(stopped, within=60)
-    assert_terminated(result, ck, seconds, stopped.pid)
+    assert_terminated(result, ck, seconds, stopped.pid, lines)
     assert torch.load(ck, weights_only=True)["epoch"] == 0
     resumed = finish(run(name="resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
