@@ -142,6 +142,7 @@ def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path)
 
 # On the worker of test_a_killed_rank_stops_the_whole_job, which runs `alone`: it never waits for this one there.
 @pytest.mark.xdist_group("killed")
+@pytest.mark.alone
 def test_master_port_held_by_another_program(data_dir):
     """A program that takes connections and never answers holds the port. The launcher finds it before any worker
     starts: a worker already connected to that program waited in C++, deaf to SIGTERM, until killed 10 s later."""
@@ -198,6 +199,7 @@ def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
         ("convnet_distributed.py", 2, "launcher"),
     ],
 )
+@pytest.mark.alone
 def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
     data_dir, tmp_path, script, processes, target
 ):
@@ -256,6 +258,7 @@ def assert_terminated(result, ck, seconds, pgid, lines):
         ("convnet_distributed.py", 2, "group"),
     ],
 )
+@pytest.mark.alone
 def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_path, script, processes, target):
     """`kill PID`, `timeout`, docker stop and Kubernetes signal the launcher alone; `kill -TERM -PGID` and SLURM's
     scancel signal every process. The launcher alone: test_a_run_stopped_by_sigterm_resumes_to_the_same_result."""
@@ -280,6 +283,7 @@ os.register_at_fork(after_in_{side}=lambda: os.kill(os.getpid(), signal.{name}))
 
 @pytest.mark.parametrize("side", ["child", "parent"])
 @pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
+@pytest.mark.alone
 def test_a_signal_as_the_workers_start_still_stops_the_run_cleanly(data_dir, tmp_path, side, name, status, line):
     """A stop that comes as the workers are forked (scancel, or a job stopped as it starts) once went astray:
     raised inside fork's own bookkeeping, it printed a traceback and the run trained on. A sitecustomize module
@@ -302,6 +306,7 @@ if "spawn_main" in " ".join(sys.orig_argv):  # a spawned worker, as its interpre
 
 
 @pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
+@pytest.mark.alone
 def test_a_signal_as_spawned_workers_start_stops_the_run_cleanly(data_dir, tmp_path, name, status, line):
     """macOS, Windows and the GPU script spawn their workers, which take a second or more to start their
     interpreter and import torch before their handlers are set: a Ctrl-C then once ended each in a "Fatal Python
@@ -349,6 +354,7 @@ def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, proc
     assert not torn_down.exists(), f"processes torn down: {torn_down.read_text().split()}"
 
 
+@pytest.mark.alone
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -398,6 +404,7 @@ def assert_workers_stop_when_their_launcher_is_killed(data_dir, env):
     assert alive == [], f"still training after their launcher died: {alive}"
 
 
+@pytest.mark.alone
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
     """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it once died at once, and its workers
     trained on as orphans. Now every process stops, and a rerun with --resume ends as an unbroken run."""

@@ -203,6 +203,7 @@ def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm(tmp_path):
         ("convnet_distributed.py", ["--num-processes", 2], True, "no epoch completed since this launch: {ck} is as"),
     ],
 )
+@pytest.mark.alone
 def test_the_interrupt_line_says_what_the_checkpoint_really_holds(data_dir, tmp_path, script, extra, existing, words):
     """Stopped in its first epoch, a run once said "ck.pt holds the last complete epoch" of a file that did not
     exist, or that an earlier run left."""

@@ -36,6 +36,7 @@ def test_interface_addresses_lists_ipv4_before_ipv6():
     assert all(not a.startswith("fe80") for a in addresses["lo"])
 
 
+@pytest.mark.alone
 def test_a_master_addr_that_does_not_resolve_is_one_line(data_dir):
     """A name no resolver knows: one line naming it, after a short wait (DNS records can come late), never a
     traceback, and never --timeout's minutes of 'no answer'."""
