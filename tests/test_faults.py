@@ -191,6 +191,30 @@ def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
     assert [left_running(m.pid) for m in machines] == [[], []]
 
 
+@pytest.mark.alone  # timed against --timeout
+def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_dir):
+    """A rank stopped, not dead (SIGSTOP: a debugger, a paused VM, a node swapping), mid-epoch: its sockets stay
+    open, so no peer hears a reset, and the others wait in the Gloo exchange. --timeout ends it on every machine,
+    each with one line, and the stopped rank is not left behind."""
+    timeout, port = 10, free_port()
+    machines = [job(data_dir, "--epochs", 50, machines=2, machine=m, port=port, timeout=timeout) for m in (0, 1)]
+    wait_for_line(machines[0], "epoch: 0 [5/")
+    workers(machines[1])[-1].suspend()  # SIGSTOP
+    stopped = time.monotonic()
+    results, seconds = [], []
+    for m in machines:  # each one's end, as the test sees it
+        results.append(finish(m, timeout=120))
+        seconds.append(time.monotonic() - stopped)
+    for r in results:
+        (line,) = r.stderr.strip().splitlines() or [""]
+        assert r.returncode == 1 and line.startswith("error: rank ") and "lost contact with the job" in line, r.stderr
+        assert line.endswith(f"another process stopped, or did not answer within --timeout {timeout} s"), line
+    # Machine 0 waited --timeout, not much longer; machine 1 gives its stopped rank torch's 30 s to end on SIGTERM
+    # (which a stopped process does not act on) before it kills it.
+    assert timeout - 2 < seconds[0] < timeout + 20 and seconds[1] < timeout + 50, seconds
+    assert [left_running(m.pid) for m in machines] == [[], []]
+
+
 @pytest.mark.parametrize(
     "script,processes,target",
     [
