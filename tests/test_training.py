@@ -200,10 +200,10 @@ def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
 def test_the_seed_decides_a_run_to_the_bit_and_amp_changes_it(data_dir, tmp_path, script, processes):
     """--seed draws the initial weights, the batches' order and the dropout masks: the same seed gives the same run
     to the bit (on the same threads), another seed another run. --amp computes in bfloat16: other losses."""
-    layout = ["--num-processes", processes, "--master-port", free_port()] if processes > 1 else []
 
     def losses(name, *flags):
         metrics = tmp_path / f"{name}.json"
+        layout = ["--num-processes", processes, "--master-port", free_port()] if processes > 1 else []
         result = run_script(script, *layout, "--batch-size", 128 // processes, "--data-dir", data_dir, "--threads", 1,
                             "--log-interval", 1000, "--metrics-json", metrics, *flags)  # fmt: skip
         assert result.returncode == 0, result.stderr
