@@ -163,7 +163,7 @@ def train(model, optimizer, data, args):
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
-    threads = plural(torch.get_num_threads(), "thread")
+    threads = plural(torch.get_num_threads(), "thread") + (f", from {args.threads_from}" if args.threads_from else "")
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging", flush=True)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
@@ -353,9 +353,10 @@ def parse_args(argv=None):
             parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    args.threads_from = ""  # what capped the default threads, said in the layout line
     if args.threads is None:
         try:
-            args.threads = default_threads()
+            args.threads, args.threads_from = default_threads()
         except (ValueError, argparse.ArgumentTypeError):
             parser.error(
                 f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
@@ -439,18 +440,38 @@ def positive_float(text):
 
 
 def default_threads():
-    """Intra-op threads: OMP_NUM_THREADS where set, else every core this process may use."""
+    """Intra-op threads and what capped them: OMP_NUM_THREADS where set, else every core this process may use."""
     if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
-        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0])
+        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0]), ""
     return usable_cores()
 
 
 def usable_cores():
-    """The cores this process may run on (os.sched_getaffinity is Linux-only: elsewhere every core), capped at
-    SLURM_CPUS_PER_TASK where set: under SLURM's task/none nothing pins a task to the cores it was given."""
+    """The cores this process may use, and what capped them ("" where nothing did): the cores it may run on
+    (os.sched_getaffinity is Linux-only: elsewhere every core), a cgroup's CPU quota (the process still sees every
+    core), SLURM_CPUS_PER_TASK (under SLURM's task/none nothing pins a task to the cores it was given)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
-    return min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores
+    slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
+    caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
+    return min(caps, key=lambda cap: cap[0])  # the first of equals: a cap is named only where it decided
+
+
+def cgroup_cpus():
+    """The cores a CPU quota gives this process (Docker's --cpus, a Kubernetes CPU limit), rounded up: the tightest
+    of its cgroup's and those above it (a container may see its own cgroup as the root), from cgroup v2's cpu.max
+    ("max 100000", or "150000 100000" for 1.5 cores) or v1's cpu.cfs_quota_us (-1: none) over cpu.cfs_period_us."""
+    hierarchies, quotas = [], []
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
+        hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
+    for _, controllers, path in hierarchies:
+        v1 = "cpu" in controllers.split(",")
+        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then each above it
+            folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
+            files = [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"] if v1 else [f"{folder}/cpu.max"] * 2
+            with contextlib.suppress(OSError, ValueError), open(files[0]) as quota, open(files[1]) as period:
+                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))  # rounded up
+    return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
 
 
 def getenv(name, default=None):

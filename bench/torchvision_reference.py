@@ -96,7 +96,7 @@ def evaluate(model, loader, device):
 
 def main():
     args = build_parser().parse_args()
-    torch.set_num_threads(args.threads or default_threads())
+    torch.set_num_threads(args.threads or default_threads()[0])
     train_set, test_set = datasets_for(args)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

@@ -4,6 +4,7 @@ import fcntl
 import gzip
 import json
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -63,6 +64,20 @@ def write_dataset(root, folder="MNIST", gz=False, n_train=N_TRAIN, n_test=N_TEST
     return root
 
 
+# CI (.ci/run) sets CONVNET_REQUIRE_ALL=1: a test that would skip for want of a facility (namespaces, a mount, a
+# cgroup, SLURM, mpirun, the data set...) fails instead, so that a broken set-up cannot pass with a feature unchecked.
+# Only tests marked `gpu` may still skip.
+REQUIRE_ALL = os.environ.get("CONVNET_REQUIRE_ALL") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("gpu"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"skipped under CONVNET_REQUIRE_ALL=1: {reason}"
+
+
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, tmp_path_factory):
     """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound
@@ -94,9 +109,19 @@ def data_dir(tmp_path_factory):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range (as test_multihost.py's random_port): the kernel hands the
+    ports of that range to outgoing connections, the other pytest worker's Gloo and store ones among them, and
+    one could take a port handed out from it before the script listens on it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    while True:
+        port = low - 1 - secrets.randbelow(min(12000, low - 1024))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # taken
+                continue
 
 
 # Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
@@ -125,8 +150,9 @@ def default_ctrl_c():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(script, *args, env=None, python_flags=(), cwd=None):
-    """Start a script as a user would; returns the Popen."""
+def launch(script, *args, env=None, python_flags=(), cwd=None, cgroup=None):
+    """Start a script as a user would, in the cgroup whose cgroup.procs file is given (as a container would);
+    returns the Popen."""
     cmd = [sys.executable, *python_flags, os.path.join(REPO, script), *map(str, args)]
     return subprocess.Popen(
         cmd,
@@ -136,8 +162,13 @@ def launch(script, *args, env=None, python_flags=(), cwd=None):
         env=env or script_env(),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=default_ctrl_c,
+        preexec_fn=default_ctrl_c if cgroup is None else lambda: (default_ctrl_c(), join_cgroup(cgroup)),
     )
+
+
+def join_cgroup(procs):
+    with open(procs, "w") as f:
+        f.write("0")  # 0: the process that writes
 
 
 def finish(proc, timeout=120):

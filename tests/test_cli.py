@@ -91,6 +91,7 @@ def test_cuda_script_uses_every_visible_gpu_by_default(clean_env, monkeypatch):
     assert convnet_distributed_cuda.parse_args(["--num-gpu-processes", "2"]).num_gpu_processes == 2
 
 
+@pytest.mark.gpu
 def test_cuda_script_without_a_gpu_says_so_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -143,6 +143,7 @@ def wait_for_a_silent_peer(rank, world_size, port, out):
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the shared-memory exchange needs /dev/shm")
+@pytest.mark.alone
 def test_shared_memory_exchange_gives_up_on_a_silent_peer_after_the_timeout(tmp_path):
     """The spin-wait is bounded like Gloo's: a rank that never sends its gradients is named after --timeout."""
     spawn_bounded(wait_for_a_silent_peer, (2, free_port(), str(tmp_path)), nprocs=2)

@@ -165,28 +165,35 @@ def test_unpacking_beside_another_launch_of_the_same_pid_leaves_its_file_alone(t
     assert leftovers == [], leftovers
 
 
-def set_up_averager_and_fail(rank, port, token):
-    """Rank 1 fails as it maps the averager's file (killed, out of memory, a timeout): rank 0 then fails too."""
+def set_up_averager_and_fail(rank, port, token, out):
+    """Rank 1 fails as it maps the averager's file (killed, out of memory, a timeout): rank 0 then fails too. Each
+    writes what it raised to out/rank{rank}."""
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=5)
     )
     convnet_distributed.uuid = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=token))
     if rank == 1:
         torch.from_file = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("rank 1 stopped"))
+    raised = "nothing"
     try:
         convnet_distributed.SharedMemoryAverager(convnet_distributed.ConvNet(), rank, 2, 5)
-    except Exception:
-        pass  # the failure is expected; what it leaves behind is the test
+    except Exception as e:  # expected: the test checks which, and what it leaves behind
+        raised = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(raised)
     os._exit(0)  # as the scripts' workers leave: Gloo's threads are not torn down
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the averager works in /dev/shm")
-def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm():
+def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm(tmp_path):
     """Rank 0 created /dev/shm/convnet-ddp-* and removed it only once every rank had mapped it: a rank that failed
     or timed out in between left it there, and /dev/shm is memory."""
     token = secrets.token_hex(8)
-    spawn_bounded(set_up_averager_and_fail, (free_port(), token), nprocs=2, timeout=60)
+    spawn_bounded(set_up_averager_and_fail, (free_port(), token, str(tmp_path)), nprocs=2, timeout=60)
     assert not os.path.exists(f"/dev/shm/convnet-ddp-{token}")
+    assert (tmp_path / "rank1").read_text() == "RuntimeError: rank 1 stopped"
+    rank0 = (tmp_path / "rank0").read_text()  # Gloo's error at the barrier rank 1 never reached: reset, or timed out
+    assert rank0.split(":")[0] in ("RuntimeError", "DistBackendError") and "gloo" in rank0, rank0
 
 
 @pytest.mark.parametrize(
@@ -196,6 +203,7 @@ def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm():
         ("convnet_distributed.py", ["--num-processes", 2], True, "no epoch completed since this launch: {ck} is as"),
     ],
 )
+@pytest.mark.alone
 def test_the_interrupt_line_says_what_the_checkpoint_really_holds(data_dir, tmp_path, script, extra, existing, words):
     """Stopped in its first epoch, a run once said "ck.pt holds the last complete epoch" of a file that did not
     exist, or that an earlier run left."""

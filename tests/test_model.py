@@ -35,6 +35,7 @@ SAME_IN_ALL = [
     "peak_memory_mib",
     "exit_at_once",
     "usable_cores",
+    "cgroup_cpus",
     "getenv",
     "plural",
     "Terminated",

@@ -196,6 +196,31 @@ def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
     assert m["amp"] is True and m["test_accuracy"] > 0.8
 
 
+@pytest.mark.parametrize("script,processes", [("convnet_undistributed.py", 1), ("convnet_distributed.py", 2)])
+def test_the_seed_decides_a_run_to_the_bit_and_amp_changes_it(data_dir, tmp_path, script, processes):
+    """--seed draws the initial weights, the batches' order and the dropout masks: the same seed gives the same run
+    to the bit (on the same threads), another seed another run. --amp computes in bfloat16: other losses."""
+
+    def losses(name, *flags):
+        metrics = tmp_path / f"{name}.json"
+        layout = ["--num-processes", processes, "--master-port", free_port()] if processes > 1 else []
+        result = run_script(script, *layout, "--batch-size", 128 // processes, "--data-dir", data_dir, "--threads", 1,
+                            "--log-interval", 1000, "--metrics-json", metrics, *flags)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        m = read_json(metrics)
+        return [m["final_train_loss"], m["test_loss"], m["test_accuracy"]]
+
+    first, again, other, amp = (
+        losses("first"),
+        losses("again", "--seed", 0),
+        losses("other", "--seed", 1),
+        losses("amp", "--amp"),
+    )
+    assert first == again, (first, again)
+    assert other[0] != first[0] and other[1] != first[1], (first, other)
+    assert amp[0] != first[0] and amp[1] != first[1], (first, amp)
+
+
 def torchrun(*args, script_args=()):
     """Start torchrun as a user would (python -m torch.distributed.run is the torchrun command)."""
     cmd = [
