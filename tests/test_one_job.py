@@ -87,6 +87,27 @@ def test_a_launch_on_a_port_another_job_holds_stops_alone_naming_it(data_dir, tm
     assert left_running(first.pid) == [] and left_running(second.pid) == []
 
 
+@pytest.mark.parametrize("flags, phrase", [(["--lr", "0.4"], "the machines disagree on --lr"),
+                                          ([], "rank 1 joined twice")])  # fmt: skip
+def test_a_late_launch_stops_alone_once_the_job_is_ready(data_dir, tmp_path, flags, phrase):
+    """A launch as machine 1 of a job that had formed (a command run twice, or with another flag) stopped every
+    process of that job. Now, once every process has checked in, it stops alone, and the job trains on."""
+    port = free_port()
+    machines = [
+        job(data_dir, "--epochs", 12, "--metrics-json", tmp_path / "m.json", processes=1, machines=2, machine=m,
+            port=port, timeout=TIMEOUT)
+        for m in (0, 1)
+    ]  # fmt: skip
+    store_of(port, "ready", machines[0])
+    late = job(data_dir, *flags, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
+    (line,) = single_lines([finish(late, timeout=WITHIN + 30)])
+    assert phrase in line and machines[0].poll() is None, line
+    results = [finish(m, timeout=3 * WITHIN + 60) for m in machines]
+    assert [r.returncode for r in results] == [0, 0] and [r.stderr for r in results] == ["", ""]
+    assert read_json(tmp_path / "m.json")["epochs_trained"] == 12
+    assert all(left_running(p.pid) == [] for p in (*machines, late))
+
+
 def test_machines_whose_data_differ_stop_before_training(data_dir, tmp_path):
     """Machine 1's copy of the training labels shifted by one class, every file still parsing: the job trained on
     two data sets and said nothing. Now both machines stop before the first step, naming the files that differ."""
