@@ -816,6 +816,8 @@ def claim_port(args):
         listener = bound_socket(candidates)
         listener.listen()
     except OSError as e:
+        if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops, naming it
+            machine0_twice(args)
         free = ", or give none: a job on one machine takes a free one" if args.num_machines == 1 else ""
         sys.exit(
             f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} ({e.strerror or e}): "
@@ -826,6 +828,28 @@ def claim_port(args):
         listener.close()
         return None
     return listener
+
+
+def machine0_twice(args):
+    """The port is held: where it is this job's own machine 0, still forming (the same flags, another launch), every
+    launch stops, naming it; else this launch stops alone. The store is asked in a thread: a program that is no
+    store may take the connection and never answer."""
+    found, me = [], record(0, placement(args, 0)[1], args)
+
+    def ask():
+        with contextlib.suppress(RuntimeError, ValueError):
+            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+            if store.check(["job"]) and not store.check(["ready"]):
+                found.append((store, from_json(store.get("job"))))
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(5)
+    if found and is_record(found[0][1]):
+        (store, first) = found[0]
+        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
+            stop_job(store, 0, args, twice(0, first, me, args))
 
 
 def bound_socket(candidates):
@@ -984,13 +1008,8 @@ def read_record(store, rank, args, raw, owner=None):
     """A record another process wrote (raw, as the store returned it), checked: a record from another version of
     this script, or a value no version writes, is one line on every machine, not a traceback."""
     found = from_json(raw)
-    if isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in RECORD.items()):
-        if (
-            type(found["rank"]) is int
-            and owner in (None, found["rank"])
-            and isinstance(found["job"].get("model", []), list)
-        ):
-            return found
+    if is_record(found) and owner in (None, found["rank"]):
+        return found
     if isinstance(found, dict) and isinstance(found.get("script"), str) and found["script"] != script_digest():
         line = (
             f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version of "
@@ -998,6 +1017,13 @@ def read_record(store, rank, args, raw, owner=None):
         )
         stop_job(job_store(store), rank, args, line)
     stop_job(job_store(store), rank, args, bad_value(rank, "a record", raw, args))
+
+
+def is_record(found):
+    return (
+        isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in RECORD.items())
+        and type(found["rank"]) is int and isinstance(found["job"].get("model", []), list)
+    )  # fmt: skip
 
 
 def from_json(raw):
@@ -1642,8 +1668,6 @@ def run_workers(args, data, nprocs, listener):
                 join=False,
                 start_method=start_method(),
             )
-        if listener is not None:  # rank 0 holds it now
-            listener.close()
         while not context.join():
             pass
     except mp.ProcessExitedException as e:

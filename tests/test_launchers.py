@@ -6,15 +6,18 @@ tests/test_multihost.py (elastic torchrun). The last tests start real launches o
 job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
 """
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import convnet_distributed
 import convnet_distributed_cuda
@@ -326,22 +329,24 @@ def test_two_jobs_started_at_once_on_one_port_one_trains_the_other_stops(data_di
 @pytest.mark.timeout(3 * WITHIN + 120)
 def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
     """The same, made certain: job A's machine 0 serves the port and waits for its machine 1; then a process of
-    another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) and A's machine 1 start at once. The stranger
+    another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) comes, and after it A's machine 1. The stranger
     used to count as A's missing process, and A formed its group with it. Now it stops with one line, and A forms
     its group of 2 (--check: the group is what is tested here; the test above trains)."""
     port = free_port()
     a0 = job(data_dir, "--check", processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT)
     deadline = time.monotonic() + WITHIN + 30
-    while time.monotonic() < deadline and a0.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+    while time.monotonic() < deadline and a0.poll() is None:  # until A's rank 0 has claimed the job in its store
+        with contextlib.suppress(RuntimeError):
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WITHIN))
+            if store.check(["job"]):
                 break
         time.sleep(0.1)
     env = script_env(RANK="1", WORLD_SIZE="2", MASTER_PORT=str(port))
     stranger = job(data_dir, "--check", "--lr", "0.4", processes=1, machines=2, machine=1, timeout=TIMEOUT, port=port,
                    env=env)  # fmt: skip
+    stranger_result = finish(stranger, timeout=WITHIN + 30)
     a1 = job(data_dir, "--check", processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
-    results = [finish(p, timeout=3 * WITHIN + 60) for p in (a0, a1, stranger)]
+    results = [finish(p, timeout=3 * WITHIN + 60) for p in (a0, a1)] + [stranger_result]
     assert all(left_running(p.pid) == [] for p in (a0, a1, stranger))
     assert [r.returncode for r in results] == [0, 0, 1], [r.stderr for r in results]
     lines = results[2].stderr.strip().splitlines()

@@ -99,7 +99,7 @@ def test_a_late_launch_stops_alone_once_the_job_is_ready(data_dir, tmp_path, fla
         for m in (0, 1)
     ]  # fmt: skip
     store_of(port, "ready", machines[0])
-    late = job(data_dir, *flags, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
+    late = job(data_dir, "--epochs", 12, *flags, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
     (line,) = single_lines([finish(late, timeout=WITHIN + 30)])
     assert phrase in line and machines[0].poll() is None, line
     results = [finish(m, timeout=3 * WITHIN + 60) for m in machines]
