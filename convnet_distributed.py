@@ -1940,6 +1940,8 @@ def run_workers(args, data, nprocs, listener):
         )
     finally:
         stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
+        if listener is not None:  # held until now: the port's holder, as a user sees it, is this launch
+            listener.close()
 
 
 def spawned_worker(local_rank, args, data, listener, held):
