@@ -293,6 +293,8 @@ def worker(local_rank, args, data, listener=None):
         # A lost peer comes as a DistError, or from Gloo as a plain RuntimeError raised inside backward() by DDP.
         if not isinstance(e, dist.DistError) and BACKEND.lower() not in str(e).lower():
             raise
+        if local_rank_of(rank, args) != 0:  # one line a machine: where its local rank 0 says it too, it goes first
+            time.sleep(2)
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
             f"or did not answer within --timeout {args.timeout:g} s"

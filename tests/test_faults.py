@@ -206,7 +206,9 @@ def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_d
         results.append(finish(m, timeout=120))
         seconds.append(time.monotonic() - stopped)
     for r in results:
-        (line,) = r.stderr.strip().splitlines() or [""]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1, [x.stderr for x in results]
+        line = lines[0]
         assert r.returncode == 1 and line.startswith("error: rank ") and "lost contact with the job" in line, r.stderr
         assert line.endswith(f"another process stopped, or did not answer within --timeout {timeout} s"), line
     # Machine 0 waited --timeout, not much longer; machine 1 gives its stopped rank torch's 30 s to end on SIGTERM
