@@ -629,7 +629,9 @@ def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
     together = [n for n, line in enumerate(lines) if line.startswith("World size 2 = 2 machines x 1 process;")]
     assert alone and together and alone[0] < together[-1], describe([first, second])
     assert lines[together[-1]].endswith("(torchrun)"), describe([first, second])  # grown, not restarted after a failure
-    assert "error" not in first.stderr + second.stderr, describe([first, second])
+    # None of the scripts' lines; torch's agent may log that it could not shut the rendezvous of a node gone first.
+    stderr = (first.stderr + second.stderr).splitlines()
+    assert not [line for line in stderr if line.startswith("error") or "Traceback" in line], describe([first, second])
     resumed = [line for line in lines[alone[0] : together[-1]] if line.startswith(f"Resuming from {ck}: epoch ")]
     assert resumed, describe([first, second])
     m = read_json(tmp_path / "m.json")
