@@ -1995,7 +1995,8 @@ def stop_on_signals(ctrl_c):
     stopping = []
 
     def stop(signum, frame):
-        if not stopping:
+        # Not in one already leaving (its error line on the way out): raised there, it would print a traceback.
+        if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             stopping.append(signum)
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
