@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""This project's 2-process run against the baseline and against what users would pick instead, launch to exit.
+"""This project's 2-process run against the baseline and what users would pick instead, launch to exit.
 
 Runs, one subprocess each, every one on the same data and the same ConvNet recipe (global batch 128):
   distributed          convnet_distributed.py --num-processes 2 --batch-size 64
@@ -57,7 +57,12 @@ PEERS = ("tutorial-ddp", "lightning-ddp", "lightning-ddp-spawn")
 NEEDS_LIGHTNING = ("lightning-ddp", "lightning-ddp-spawn")
 # The data set's folder in torchvision's layout, and its four files.
 FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
-FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 FIRST_STEP = "epoch: "  # the first progress line, printed once the first training step is done
 MIB = 2**20
 # How long the processes of a launch may outlive the launcher before they count as left behind and are killed.
@@ -107,7 +112,12 @@ class TimedRun:
         self.returncode, self.exit_at, self.peak_rss, self.timed_out = None, None, None, False
         self.start = time.monotonic()
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=script_env(), start_new_session=True
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            env=script_env(),
+            start_new_session=True,
         )
         streams = ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))
         readers = [threading.Thread(target=self.read, args=stream) for stream in streams]
@@ -229,7 +239,10 @@ def fail(name, repeat, run, timeout, no_metrics):
         why = "wrote no metrics file"
     else:
         why = f"printed no progress line ({FIRST_STEP!r})"
-    message = [f"error: {name} (repeat {repeat + 1}) {why} after {run.exit_at:.1f} s", f"command: {' '.join(run.argv)}"]
+    message = [
+        f"error: {name} (repeat {repeat + 1}) {why} after {run.exit_at:.1f} s",
+        f"command: {' '.join(run.argv)}",
+    ]
     for stream in ("stderr", "stdout"):
         lines = run.tail(stream)
         if lines:
@@ -238,7 +251,7 @@ def fail(name, repeat, run, timeout, no_metrics):
 
 
 def shown(argv):
-    """argv as a user would type it: paths from the repository root, `python`, no per-run port or metrics file."""
+    """argv as a user types it: paths from the repository root, `python`, no per-run port or metrics file."""
     words, skip = [], False
     for word in argv:
         if skip:
@@ -247,7 +260,11 @@ def shown(argv):
             skip = True
         else:
             words.append(
-                "python" if word == sys.executable else os.path.relpath(word, REPO) if word.startswith(REPO) else word
+                "python"
+                if word == sys.executable
+                else os.path.relpath(word, REPO)
+                if word.startswith(REPO)
+                else word
             )
     return " ".join(words)
 
@@ -264,7 +281,8 @@ def measure(args, facts):
                 record = run_once(name, args, repeat, tmp)
                 records.append(record)
                 write_json(
-                    os.path.join(args.out, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
+                    os.path.join(args.out, "runs.json"),
+                    {"machine": facts, "options": vars(args), "runs": records},
                 )
                 print(
                     f"[repeat {repeat + 1}/{args.repeats}, run {i + 1}/{len(names)}] {name}: "
@@ -361,7 +379,11 @@ def checks(records, peers):
     ]
     for peer in peers:
         rows.append(
-            (f"{peer} wall ÷ distributed wall", ratio(peer, "distributed", "wall_seconds"), Target("≥ 1.8", low=1.8))
+            (
+                f"{peer} wall ÷ distributed wall",
+                ratio(peer, "distributed", "wall_seconds"),
+                Target("≥ 1.8", low=1.8),
+            )
         )
         rows.append((f"{peer} loop ÷ distributed loop", ratio(peer, "distributed", "train_seconds"), None))
     judged = []
@@ -370,7 +392,14 @@ def checks(records, peers):
             continue
         median, interval = statistics.median(values), median_interval(values)
         judged.append(
-            (check, values, median, interval, target and target.text, target and target.verdict(median, interval))
+            (
+                check,
+                values,
+                median,
+                interval,
+                target and target.text,
+                target and target.verdict(median, interval),
+            )
         )
     return judged
 
@@ -392,12 +421,13 @@ def write_markdown(path, args, facts, records):
     lines = [
         "# Launch to exit: this project against the baseline and the peers",
         "",
-        f"Machine: {facts['cpu']}, {facts['usable_cores']} usable cores ({facts['logical_cpus']} logical CPUs); "
+        f"Machine: {facts['cpu']}, {facts['usable_cores']} usable cores "
+        f"({facts['logical_cpus']} logical CPUs); "
         f"Python {facts['python']}, torch {facts['torch']}, torchvision {facts['torchvision']}, "
         f"lightning {facts['lightning']}; commit {facts['commit']}; {facts['date']}.",
         "",
-        f"Data: {args.dataset}, {facts['train_size']:,} training images, {args.epochs} epoch(s), global batch 128; "
-        f"median of {args.repeats} run(s) per row, the runs interleaved.",
+        f"Data: {args.dataset}, {facts['train_size']:,} training images, {args.epochs} epoch(s), "
+        f"global batch 128; median of {args.repeats} run(s) per row, the runs interleaved.",
         "",
         quietness(records, facts["usable_cores"]),
         "",
@@ -410,15 +440,16 @@ def write_markdown(path, args, facts, records):
         wall = statistics.median(r["wall_seconds"] for r in rs)
         lines.append(
             f"| {name}: {DESCRIPTIONS[name]} | {cell([r['wall_seconds'] for r in rs], '.1f')} "
-            f"| {cell([r['first_step_seconds'] for r in rs])} | {cell([r['train_seconds'] for r in rs], '.1f')} "
+            f"| {cell([r['first_step_seconds'] for r in rs])} "
+            f"| {cell([r['train_seconds'] for r in rs], '.1f')} "
             f"| {cell([r['exit_seconds'] for r in rs])} | {accuracy:.2f}% | {wall / base_wall:.2f} |"
         )
     lines += [
         "",
-        "Wall: launch to exit. First step: launch to the first progress line, printed after the first training "
-        "step. Loop: the training loop alone, as the run measures it. Exit: from the last line the run prints to "
-        f"its exit. In brackets, where there are 5 repeats or more: the interval that holds the median with at least "
-        f"{CONFIDENCE:.0%} probability (order statistics).",
+        "Wall: launch to exit. First step: launch to the first progress line, printed after the first "
+        "training step. Loop: the training loop alone, as the run measures it. Exit: from the last line the "
+        "run prints to its exit. In brackets, where there are 5 repeats or more: the interval that holds the "
+        f"median with at least {CONFIDENCE:.0%} probability (order statistics).",
         "",
         "Commands:",
         "",
@@ -428,13 +459,15 @@ def write_markdown(path, args, facts, records):
         "",
         "## Checks, side by side",
         "",
-        "Each check is taken within each repeat and the median over the repeats is judged; where its interval "
-        "reaches across the target, the result is marked inside the noise.",
+        "Each check is taken within each repeat and the median over the repeats is judged; where its "
+        "interval reaches across the target, the result is marked inside the noise.",
         "",
         f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval | target | result |",
         "|---|---|---:|---:|---|---|",
     ]
-    for check, values, median, interval, target, verdict in checks(records, [p for p in args.peers if p in runs]):
+    for check, values, median, interval, target, verdict in checks(
+        records, [p for p in args.peers if p in runs]
+    ):
         span = "–" if interval is None else f"{interval[0]:.2f} to {interval[1]:.2f}"
         lines.append(
             f"| {check} | {', '.join(f'{v:.2f}' for v in values)} | {median:.3f} | {span} "
@@ -449,7 +482,9 @@ def write_markdown(path, args, facts, records):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=sorted(FOLDERS), default="mnist", help="data set of every run (default: mnist)")
+    p.add_argument(
+        "--dataset", choices=sorted(FOLDERS), default="mnist", help="data set of every run (default: mnist)"
+    )
     p.add_argument(
         "--data-dir",
         default="./data",
@@ -463,7 +498,9 @@ def build_parser():
         metavar="N",
         help="rounds of every run; 5 or more give each median an interval (default: 5)",
     )
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
+    p.add_argument(
+        "--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)"
+    )
     p.add_argument(
         "--peers",
         nargs="*",

@@ -44,9 +44,14 @@ from convnet_undistributed import (
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist", help="data set (default: mnist)")
     p.add_argument(
-        "--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout (default: ./data)"
+        "--dataset", choices=["mnist", "fashion-mnist"], default="mnist", help="data set (default: mnist)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default="./data",
+        metavar="DIR",
+        help="data folder, torchvision's layout (default: ./data)",
     )
     p.add_argument(
         "--world-size",
@@ -58,7 +63,9 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=64, metavar="N", help="images per step (default: 64)")
     p.add_argument("--epochs", type=int, default=1, metavar="N", help="passes over the shard (default: 1)")
     p.add_argument("--threads", type=int, default=1, metavar="N", help="intra-op threads (default: 1)")
-    p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument(
+        "--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)"
+    )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     p.add_argument(
         "--copies",
@@ -95,7 +102,7 @@ def train(model, optimizer, batches, epochs):
 
 
 def one_copy(args, copy, start_together=None, results=None):
-    """Load, build, then the timed loop; (seconds, last loss, shard images, steps, training set size, peak MiB)."""
+    """Load, build, time the loop; (seconds, last loss, shard images, steps, training set size, peak MiB)."""
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the scripts do: the floor gets every advantage they get
     torch.manual_seed(args.seed + copy)
@@ -106,7 +113,14 @@ def one_copy(args, copy, start_together=None, results=None):
     if start_together is not None:
         start_together.wait()  # no copy may run alone while another is still loading
     seconds, last_loss = train(model, optimizer, batches, args.epochs)
-    result = (seconds, last_loss, sum(len(y) for _, y in batches), len(batches), train_size, peak_memory_mib())
+    result = (
+        seconds,
+        last_loss,
+        sum(len(y) for _, y in batches),
+        len(batches),
+        train_size,
+        peak_memory_mib(),
+    )
     if results is not None:
         results.put(result)
     return result
@@ -116,7 +130,9 @@ def run_copies(args):
     """--copies processes at once; every copy's result."""
     ctx = mp.get_context("spawn")
     start_together, results = ctx.Barrier(args.copies), ctx.Queue()
-    processes = [ctx.Process(target=one_copy, args=(args, c, start_together, results)) for c in range(args.copies)]
+    processes = [
+        ctx.Process(target=one_copy, args=(args, c, start_together, results)) for c in range(args.copies)
+    ]
     for p in processes:
         p.start()
     done = [results.get() for _ in processes]
@@ -129,7 +145,9 @@ def run_copies(args):
 
 def main():
     args = build_parser().parse_args()
-    prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # once, before any copy reads it
+    prepare_data(
+        SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir)
+    )  # once, before any copy reads it
     copies = run_copies(args) if args.copies > 1 else [one_copy(args, 0)]
     seconds, last_loss, shard_size, steps, train_size, _ = max(copies)  # the slowest copy
     metrics = {

@@ -49,10 +49,12 @@ def ip(*args, check=True):
 
 
 class Hosts:
-    """Two network namespaces, a and b, joined by a veth pair: machine 0 at addr[0] in a, machine 1 at addr[1]."""
+    """Network namespaces a and b, joined by a veth pair: machine 0 at addr[0] in a, machine 1 at addr[1]."""
 
     def __init__(self):
-        base = f"nb{os.getpid()}{secrets.token_hex(3)}"[:12]  # unique per run; + a/b stays within 15 characters
+        base = f"nb{os.getpid()}{secrets.token_hex(3)}"[
+            :12
+        ]  # unique per run; + a/b stays within 15 characters
         self.ns = (f"{base}a", f"{base}b")
         prefix = f"198.{18 + secrets.randbelow(2)}.{secrets.randbelow(256)}."  # the benchmarking range
         self.addr = (f"{prefix}1", f"{prefix}2")
@@ -116,7 +118,10 @@ def common_flags(args, threads, compress, epochs):
 
 
 def launch(ns, argv, folder, label):
-    with open(os.path.join(folder, f"{label}.out"), "w") as out, open(os.path.join(folder, f"{label}.err"), "w") as err:
+    with (
+        open(os.path.join(folder, f"{label}.out"), "w") as out,
+        open(os.path.join(folder, f"{label}.err"), "w") as err,
+    ):
         return subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, SCRIPT, *map(str, argv)],
             stdout=out,
@@ -127,7 +132,7 @@ def launch(ns, argv, folder, label):
 
 
 def run(hosts, config, args, threads, repeat, folder):
-    """One run: (link Mbit/s or None for one host, --compress, epochs). Returns its record; a failure stops all."""
+    """One run of (link Mbit/s or None for one host, --compress, epochs): its record; a failure stops all."""
     link, compress, epochs = config
     metrics = os.path.join(folder, "metrics.json")
     flags = [*common_flags(args, threads, compress, epochs), "--metrics-json", metrics]
@@ -139,7 +144,17 @@ def run(hosts, config, args, threads, repeat, folder):
         procs = [
             launch(
                 hosts.ns[i],
-                [*flags, "--num-machines", 2, "--machine-id", i, "--master-addr", hosts.addr[0], "--master-port", port],
+                [
+                    *flags,
+                    "--num-machines",
+                    2,
+                    "--machine-id",
+                    i,
+                    "--master-addr",
+                    hosts.addr[0],
+                    "--master-port",
+                    port,
+                ],
                 folder,
                 f"m{i}",
             )
@@ -163,7 +178,13 @@ def run(hosts, config, args, threads, repeat, folder):
             last = (f.read().strip().splitlines() or ["no output"])[-1]
         sys.exit(f"error: {describe(config)} failed in repeat {repeat} after {wall:.0f} s: {last}")
     with open(metrics) as f:
-        record = {"link_mbit": link, "compress": compress, "epochs": epochs, "repeat": repeat, "other_cpu": other}
+        record = {
+            "link_mbit": link,
+            "compress": compress,
+            "epochs": epochs,
+            "repeat": repeat,
+            "other_cpu": other,
+        }
         record["metrics"] = json.load(f)
     os.unlink(metrics)
     return record
@@ -176,7 +197,9 @@ def describe(config):
 
 
 def measure(hosts, args, threads):
-    timed = [(None, "none", args.epochs)] + [(link, c, args.epochs) for link in args.links for c in args.compress]
+    timed = [(None, "none", args.epochs)] + [
+        (link, c, args.epochs) for link in args.links for c in args.compress
+    ]
     records = []
     reference, others = timed[0], timed[1:]
     with tempfile.TemporaryDirectory() as folder:
@@ -187,7 +210,8 @@ def measure(hosts, args, threads):
                 records[-1]["sequence"] = len(records) - 1
                 m = records[-1]["metrics"]
                 print(
-                    f"repeat {repeat}: {describe(config)}: {m['train_seconds']:.2f} s, {100 * m['test_accuracy']:.2f}%"
+                    f"repeat {repeat}: {describe(config)}: {m['train_seconds']:.2f} s, "
+                    f"{100 * m['test_accuracy']:.2f}%"
                 )
         if args.accuracy_epochs:
             for compress in ["none", *[c for c in args.compress if c != "none"]]:
@@ -201,9 +225,11 @@ def measure(hosts, args, threads):
 
 
 def ratios(records, link, compress, epochs):
-    """Per run of this configuration: the training loop of the references just before and after it (their mean)
-    over its own, its throughput against one host."""
-    timed = sorted((r for r in records if r["epochs"] == epochs and "sequence" in r), key=lambda r: r["sequence"])
+    """Per run of this configuration: the training loop of the references just before and after it (their
+    mean) over its own, its throughput against one host."""
+    timed = sorted(
+        (r for r in records if r["epochs"] == epochs and "sequence" in r), key=lambda r: r["sequence"]
+    )
     found = []
     for i, r in enumerate(timed):
         if (r["link_mbit"], r["compress"]) != (link, compress):
@@ -243,15 +269,17 @@ def verdict(value, low, spread):
 
 def report(records, args, facts):
     slowest = min(args.links)
-    interval = f", a {100 * (1 - 2 / 2**args.repeats):.0f}% interval for the median" if args.repeats > 1 else ""
+    interval = (
+        f", a {100 * (1 - 2 / 2**args.repeats):.0f}% interval for the median" if args.repeats > 1 else ""
+    )
     lines = [
         "# What the network costs, and what --compress buys back",
         "",
         f"{facts['date']}, commit {facts['commit']}; {facts['cpu']}, {facts['usable_cores']} usable cores; "
         f"Python {facts['python']}, torch {facts['torch']}. {facts['dataset']}, {args.epochs} epoch(s), "
         f"2 processes of {facts['threads']} thread(s), --batch-size {args.batch_size} each; "
-        f"{args.repeats} interleaved repeat(s). Throughput is the training loop of the references run just before and "
-        f"after a run (their mean) over the run's: median (range over the repeats{interval}).",
+        f"{args.repeats} interleaved repeat(s). Throughput is the training loop of the references run just "
+        f"before and after a run (their mean) over the run's: median (range over the repeats{interval}).",
         "",
         "| link | --compress | training loop (s) | throughput vs one host | test accuracy |",
         "|---|---|---:|---:|---:|",
@@ -280,10 +308,16 @@ def report(records, args, facts):
     checks = []  # the targets, at the speeds they are set for
     if (100, "powersgd") in summary:
         checks.append(
-            ("100 Mbit/s, --compress powersgd: throughput ≥ 0.80 of one host", *summary[(100, "powersgd")], 0.8)
+            (
+                "100 Mbit/s, --compress powersgd: throughput ≥ 0.80 of one host",
+                *summary[(100, "powersgd")],
+                0.8,
+            )
         )
     if (1000, "none") in summary:
-        checks.append(("1 Gbit/s, default flags: throughput ≥ 0.97 of one host", *summary[(1000, "none")], 0.97))
+        checks.append(
+            ("1 Gbit/s, default flags: throughput ≥ 0.97 of one host", *summary[(1000, "none")], 0.97)
+        )
     for name, median, spread, low in checks:
         lines.append(f"| {name} | {median:.3f}{span(spread)} | {verdict(median, low, spread)} |")
     for epochs in sorted({args.epochs, args.accuracy_epochs} - {0}):
@@ -304,8 +338,8 @@ def report(records, args, facts):
     lines += [
         "",
         f"Other programs kept {statistics.mean(other):.2f} cores busy on average during the runs (at most "
-        f"{max(other):.2f}, of {facts['usable_cores']}): above about 0.1 they slow the computing, not the link, and "
-        "the ratios flatter the network.",
+        f"{max(other):.2f}, of {facts['usable_cores']}): above about 0.1 they slow the computing, not the "
+        "link, and the ratios flatter the network.",
     ]
     return "\n".join(lines) + "\n", summary
 
@@ -334,7 +368,9 @@ def plot(path, args, records, summary):
     ax.set_xlabel("link speed (Mbit/s), both directions")
     ax.set_ylabel("throughput against one host")
     ax.set_ylim(0, max(1.1, 1.05 * max(m for m, _ in summary.values())))
-    ax.set_title(f"2 processes on 2 hosts, {args.epochs} epoch(s), median of {args.repeats} interleaved repeat(s)")
+    ax.set_title(
+        f"2 processes on 2 hosts, {args.epochs} epoch(s), median of {args.repeats} interleaved repeat(s)"
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -361,19 +397,33 @@ def compress_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--dataset", choices=["mnist", "fashion-mnist"], default="fashion-mnist", help="(default: fashion-mnist)"
+        "--dataset",
+        choices=["mnist", "fashion-mnist"],
+        default="fashion-mnist",
+        help="(default: fashion-mnist)",
     )
-    p.add_argument("--data-dir", default="data", metavar="DIR", help="the scripts' --data-dir (default: data)")
+    p.add_argument(
+        "--data-dir", default="data", metavar="DIR", help="the scripts' --data-dir (default: data)"
+    )
     p.add_argument("--links", type=lambda t: number_list(t, float), default=[1000, 100], metavar="MBITS",
                    help="link speeds in Mbit/s, comma-separated (default: 1000,100)")  # fmt: skip
     p.add_argument("--compress", type=compress_list, default=list(CHOICES), metavar="LIST",
                    help="--compress choices at each speed (default: none,bf16,powersgd)")  # fmt: skip
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="interleaved repeats (default: 3)")
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of each timed run (default: 1)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, metavar="N", help="interleaved repeats (default: 3)"
+    )
+    p.add_argument(
+        "--epochs", type=positive_int, default=1, metavar="N", help="epochs of each timed run (default: 1)"
+    )
     p.add_argument("--accuracy-epochs", type=int, default=3, metavar="N",
-                   help="epochs of the accuracy runs, one per --compress choice; 0 for none (default: 3)")  # fmt: skip
-    p.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="per process (default: 64)")
-    p.add_argument("--timeout", type=positive_int, default=900, metavar="SECONDS", help="per run (default: 900)")
+                   help="epochs of the accuracy runs, one per --compress choice; 0 for none "
+                        "(default: 3)")  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=positive_int, default=64, metavar="N", help="per process (default: 64)"
+    )
+    p.add_argument(
+        "--timeout", type=positive_int, default=900, metavar="SECONDS", help="per run (default: 900)"
+    )
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results", "network"), metavar="DIR",
                    help="where the report goes (default: bench/results/network)")  # fmt: skip
     args = p.parse_args(argv)
@@ -386,7 +436,8 @@ def main(argv=None):
     args = parse_args(argv)
     if os.geteuid() != 0:
         sys.exit(
-            "bench/network.py needs root, to make network namespaces and shape the link (ip netns, tc): run it as root"
+            "bench/network.py needs root, to make network namespaces and shape the link (ip netns, tc): "
+            "run it as root"
         )
     if not (shutil.which("ip") and shutil.which("tc")):
         sys.exit("bench/network.py needs the ip and tc commands (apt-get install iproute2)")

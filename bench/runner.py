@@ -32,13 +32,13 @@ class RunResult:
 
 
 def busy_cpu_seconds():
-    """CPU time all processes of the machine have used: everything but idle (guest time is already in user)."""
+    """CPU time all processes of the machine have used: all but idle (guest time is already in user)."""
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0) - getattr(t, "guest", 0) - getattr(t, "guest_nice", 0)
 
 
 def own_cpu_seconds():
-    """CPU time of this process and of its finished children, theirs included (the launcher waits for its ranks)."""
+    """CPU time of this process and its finished children (the launcher waits for its ranks: theirs count)."""
     return sum(
         resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
         for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
@@ -61,7 +61,8 @@ def run_monitored(argv, timeout, cwd=None, env=None):
         returncode, peak = None, 0
         try:
             while time.monotonic() - start < timeout:
-                # The launcher waited for its ranks, so its usage counts theirs: ru_maxrss is the tree's largest.
+                # The launcher waited for its ranks, so its usage counts theirs:
+                # ru_maxrss is the tree's largest.
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     returncode = proc.returncode = os.waitstatus_to_exitcode(status)

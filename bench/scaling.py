@@ -86,7 +86,11 @@ def reference_configs():
             "floor: one rank's work of a 2-process run, bare loop, 1 thread",
             Config(FLOOR, ("--world-size", "2", "--batch-size", "64", "--threads", "1")),
         ),
-        ("b", "distributed, 2 processes", Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64"))),
+        (
+            "b",
+            "distributed, 2 processes",
+            Config(DISTRIBUTED, ("--num-processes", "2", "--batch-size", "64")),
+        ),
         (
             "c",
             "distributed, 1 process, 1 thread",
@@ -207,7 +211,8 @@ def measure(args, facts):
                 record = run_once(config, args, repeat, tmp)
                 records.append(record)
                 write_json(
-                    os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
+                    os.path.join(args.out_dir, "runs.json"),
+                    {"machine": facts, "options": vars(args), "runs": records},
                 )
                 print(
                     f"[repeat {repeat + 1}/{args.repeats}, run {i + 1}/{len(configs)}] {config.key}: "
@@ -321,7 +326,7 @@ def median_interval(values, confidence=CONFIDENCE):
 
 @dataclass(frozen=True)
 class Target:
-    """The values a check passes with: one interval, unbounded at an end left out, open at low where strict."""
+    """The values a check passes: one interval, unbounded at an end left out, open at low where strict."""
 
     text: str
     low: float = -math.inf
@@ -352,9 +357,21 @@ def targets(records):
 
     rows = [
         ("(b) / (a): 2 processes against the floor", ratio("b", "a"), Target("≤ 1.15", high=1.15)),
-        ("(c) / (b): speed-up of 2 processes over 1 process of 1 thread", ratio("c", "b"), Target("≥ 1.8", low=1.8)),
-        ("(d) / (b): speed-up of 2 processes over the baseline", ratio("d", "b"), Target("> 1", low=1, strict=True)),
-        ("(e) / (d): torchvision's data path against the baseline's", ratio("e", "d"), Target("≥ 1.3", low=1.3)),
+        (
+            "(c) / (b): speed-up of 2 processes over 1 process of 1 thread",
+            ratio("c", "b"),
+            Target("≥ 1.8", low=1.8),
+        ),
+        (
+            "(d) / (b): speed-up of 2 processes over the baseline",
+            ratio("d", "b"),
+            Target("> 1", low=1, strict=True),
+        ),
+        (
+            "(e) / (d): torchvision's data path against the baseline's",
+            ratio("e", "d"),
+            Target("≥ 1.3", low=1.3),
+        ),
         ("(d) / (f): speed-up of bfloat16 autocast", ratio("d", "f"), Target("≥ 1.4", low=1.4)),
         (
             "(f) − (d): test accuracy under bfloat16 autocast, points",
@@ -366,8 +383,16 @@ def targets(records):
             ratio("b", "e", rank_peak_mib),
             Target("≤ 1", high=1),
         ),
-        ("(b) / (e), exit included: the same for the whole run's largest process", ratio("b", "e", run_peak_mib), None),
-        ("(h) / (a): two floors at once against one (the machine's share of (b) / (a))", ratio("h", "a"), None),
+        (
+            "(b) / (e), exit included: the same for the whole run's largest process",
+            ratio("b", "e", run_peak_mib),
+            None,
+        ),
+        (
+            "(h) / (a): two floors at once against one (the machine's share of (b) / (a))",
+            ratio("h", "a"),
+            None,
+        ),
         ("(b) / (h): 2 processes against two floors at once (the scripts' share)", ratio("b", "h"), None),
         ("(g) / (b): gradients over Gloo against shared memory", ratio("g", "b"), None),
     ]
@@ -396,7 +421,7 @@ def fmt(value, spec):
 
 
 def quietness(records, cores):
-    """A line on how busy other programs kept the machine during the runs, and a warning where they mattered."""
+    """A line on how busy other programs kept the machine during the runs; a warning where they mattered."""
     worst = max(records, key=lambda r: r["other_cpu_cores"])
     mean = statistics.mean(r["other_cpu_cores"] for r in records)
     line = (
@@ -404,19 +429,26 @@ def quietness(records, cores):
         f"(at most {worst['other_cpu_cores']:.2f}, during `{worst['config']}`)."
     )
     if worst["other_cpu_cores"] > 0.1 * cores:
-        line += " **Warning: the machine was not quiet; the timings are disturbed. Rerun on a quiet machine.**"
+        line += (
+            " **Warning: the machine was not quiet; the timings are disturbed. Rerun on a quiet machine.**"
+        )
     return line
 
 
 def header(args, facts, records, train_size):
     lines = [
-        f"Machine: {facts['cpu']}, {facts['usable_cores']} usable cores ({facts['logical_cpus']} logical CPUs); "
+        f"Machine: {facts['cpu']}, {facts['usable_cores']} usable cores "
+        f"({facts['logical_cpus']} logical CPUs); "
         f"Python {facts['python']}, torch {facts['torch']}, torchvision {facts['torchvision']}; "
         f"commit {facts['commit']}; {facts['date']}.",
         "",
         f"Data: {args.dataset}, {train_size:,} training images, {args.epochs} epoch(s); "
         f"median of {args.repeats} run(s) per row, the runs interleaved"
-        + (f"; the repeats of {len(args.from_runs)} benchmarks, pooled." if len(args.from_runs or ()) > 1 else "."),
+        + (
+            f"; the repeats of {len(args.from_runs)} benchmarks, pooled."
+            if len(args.from_runs or ()) > 1
+            else "."
+        ),
         "",
         quietness(records, facts["usable_cores"]),
     ]
@@ -435,12 +467,14 @@ def scaling_table(args, rows, facts):
         f"## Scaling: `{DISTRIBUTED}`, global batch {args.global_batch}",
         "",
         f"| processes | threads per process | train loop (s) | samples/s | speed-up vs {base_p} "
-        "| efficiency | test accuracy | gradients averaged | peak RSS per rank (MiB) | peak RSS, exit included (MiB) |",
+        "| efficiency | test accuracy | gradients averaged | peak RSS per rank (MiB) "
+        "| peak RSS, exit included (MiB) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['processes']} | {r['threads']} | {r['train_seconds']:.2f} | {r['samples_per_second']:,.0f} "
+            f"| {r['processes']} | {r['threads']} | {r['train_seconds']:.2f} "
+            f"| {r['samples_per_second']:,.0f} "
             f"| {r['speedup']:.2f}× | {100 * r['efficiency']:.0f}% | {fmt(100 * r['test_accuracy'], '.2f')}% "
             f"| {'–' if r['processes'] == 1 else r['allreduce']} "
             f"| {r['peak_rss_rank_mib']:.0f} | {r['peak_rss_run_mib']:.0f} |"
@@ -484,7 +518,8 @@ def reference_table(records, summaries):
         "across the target, the result is marked inside the noise: a rerun could well give the other "
         "answer. The value from the medians of the table above is shown for reference.",
         "",
-        f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval | from the medians | target | result |",
+        f"| check | per repeat | median (judged) | {CONFIDENCE:.0%} interval "
+        "| from the medians | target | result |",
         "|---|---|---:|---:|---:|---|---|",
     ]
     for check, values, median, interval, from_medians, target, verdict in targets(records):
@@ -527,12 +562,15 @@ def plot(path, rows, facts):
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     ax.plot([1, top], [1, top], "--", color="grey", label="ideal (speed-up = processes)")
     ax.plot(processes, [r["speedup"] for r in rows], "o-", label="measured (median)")
-    ax.axvline(facts["usable_cores"], color="tab:red", linestyle=":", label=f"usable cores ({facts['usable_cores']})")
+    ax.axvline(
+        facts["usable_cores"], color="tab:red", linestyle=":", label=f"usable cores ({facts['usable_cores']})"
+    )
     ax.set_xticks(sorted(set(processes + [facts["usable_cores"]])))
     ax.set_xlabel("processes (global batch kept constant)")
     ax.set_ylabel(f"speed-up of the training loop vs {min(processes)} process(es)")
     ax.set_title(
-        f"{DISTRIBUTED}, {facts['dataset']}\n{facts['cpu']}, {facts['usable_cores']} usable cores", fontsize=10
+        f"{DISTRIBUTED}, {facts['dataset']}\n{facts['cpu']}, {facts['usable_cores']} usable cores",
+        fontsize=10,
     )
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -592,7 +630,9 @@ def build_parser():
         metavar="N",
         help="runs of each configuration; the tables show medians (default: 5)",
     )
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)")
+    p.add_argument(
+        "--epochs", type=positive_int, default=1, metavar="N", help="epochs of every run (default: 1)"
+    )
     p.add_argument(
         "--out-dir",
         default=os.path.join(BENCH, "results"),
@@ -650,7 +690,9 @@ def load_runs(paths, args):
         offset = 1 + max((r["repeat"] for r in records), default=-1)
         records += [{**r, "repeat": r["repeat"] + offset} for r in runs]
         facts.append(machine)
-        options.append({k: ran_with[k] for k in ("dataset", "epochs", "processes", "global_batch", "skip_reference")})
+        options.append(
+            {k: ran_with[k] for k in ("dataset", "epochs", "processes", "global_batch", "skip_reference")}
+        )
     if any(o != options[0] for o in options):
         sys.exit(
             "error: --from-runs: the files measured different configurations ("
@@ -671,7 +713,8 @@ def main(argv=None):
         records, facts = load_runs(args.from_runs, args)
         if len(args.from_runs) > 1:  # a new set of runs; one file reported again is left as it was measured
             write_json(
-                os.path.join(args.out_dir, "runs.json"), {"machine": facts, "options": vars(args), "runs": records}
+                os.path.join(args.out_dir, "runs.json"),
+                {"machine": facts, "options": vars(args), "runs": records},
             )
     else:
         facts = machine_facts(args.dataset, import_rss_mib=import_rss_mib())

@@ -42,7 +42,10 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
     p.add_argument(
-        "--data-dir", default="./data", metavar="DIR", help="data folder, torchvision's layout (default: ./data)"
+        "--data-dir",
+        default="./data",
+        metavar="DIR",
+        help="data folder, torchvision's layout (default: ./data)",
     )
     p.add_argument("--batch-size", type=int, default=128, metavar="N", help="images per batch (default: 128)")
     p.add_argument("--epochs", type=int, default=1, metavar="N", help="epochs to train (default: 1)")
@@ -51,9 +54,14 @@ def build_parser():
         type=int,
         default=None,
         metavar="N",
-        help="intra-op threads (default: as convnet_undistributed.py: OMP_NUM_THREADS if set, else every usable core)",
+        help=(
+            "intra-op threads (default: as convnet_undistributed.py: OMP_NUM_THREADS if set, "
+            "else every usable core)"
+        ),
     )
-    p.add_argument("--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    p.add_argument(
+        "--lr", type=float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)"
+    )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
     p.add_argument(
         "--device",
@@ -67,9 +75,14 @@ def build_parser():
 
 def datasets_for(args):
     cls, mean, std = DATASETS[args.dataset]
-    prepare_data(SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir))  # unpacks .gz files placed by hand
+    prepare_data(
+        SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir)
+    )  # unpacks .gz files placed by hand
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((mean,), (std,))])
-    return (cls(args.data_dir, train=True, transform=transform), cls(args.data_dir, train=False, transform=transform))
+    return (
+        cls(args.data_dir, train=True, transform=transform),
+        cls(args.data_dir, train=False, transform=transform),
+    )
 
 
 def train_epoch(model, optimizer, loader, device):
@@ -103,7 +116,9 @@ def main():
     model = ConvNet().to(device, memory_format=torch.channels_last)  # as the scripts hold it
     keep_pool_gradient_channels_last(model)
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda")
+    train_loader = DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=True, pin_memory=device.type == "cuda"
+    )
     train_seconds = 0.0
     for _ in range(args.epochs):
         start = time.perf_counter()

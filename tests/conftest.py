@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-# OpenMP's threads spin while they wait for work, and a spinning thread takes a core from every other process: two
-# runs side by side on 2 cores (pytest.ini's two workers, or a job of more processes than cores) trained 7x slower
-# (15.4 s an epoch against 2.2 s; alone, 1.43 s against 1.48 s). Every run the tests start, and this process, whose
-# torch is not imported yet, sleep while they wait instead; a value already set is kept.
+# OpenMP's threads spin while they wait for work, and a spinning thread takes a core from every other process:
+# two runs side by side on 2 cores (pytest.ini's two workers, or a job of more processes than cores) trained
+# 7x slower (15.4 s an epoch against 2.2 s; alone, 1.43 s against 1.48 s). Every run the tests start, and this
+# process, whose torch is not imported yet, sleep while they wait instead; a value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # tests import the scripts as modules too: their functions, not copies of them
@@ -64,16 +64,21 @@ def write_dataset(root, folder="MNIST", gz=False, n_train=N_TRAIN, n_test=N_TEST
     return root
 
 
-# CI (.ci/run) sets CONVNET_REQUIRE_ALL=1: a test that would skip for want of a facility (namespaces, a mount, a
-# cgroup, SLURM, mpirun, the data set...) fails instead, so that a broken set-up cannot pass with a feature unchecked.
-# Only tests marked `gpu` may still skip.
+# CI (.ci/run) sets CONVNET_REQUIRE_ALL=1: a test that would skip for want of a facility (namespaces, a mount,
+# a cgroup, SLURM, mpirun, the data set...) fails instead, so that a broken set-up cannot pass with a feature
+# unchecked. Only tests marked `gpu` may still skip.
 REQUIRE_ALL = os.environ.get("CONVNET_REQUIRE_ALL") == "1"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("gpu"):
+    if (
+        REQUIRE_ALL
+        and report.skipped
+        and not hasattr(report, "wasxfail")
+        and not item.get_closest_marker("gpu")
+    ):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome, report.longrepr = "failed", f"skipped under CONVNET_REQUIRE_ALL=1: {reason}"
 
@@ -81,9 +86,9 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, tmp_path_factory):
     """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound
-    with little room, or a timing of its own) runs with no other test beside it: each test holds a shared lock on
-    a file of this run, an `alone` test an exclusive one. A gate before the lock lets no test start while an
-    `alone` test waits for it. Nothing to do where the tests run in one process."""
+    with little room, or a timing of its own) runs with no other test beside it: each test holds a shared lock
+    on a file of this run, an `alone` test an exclusive one. A gate before the lock lets no test start while
+    an `alone` test waits for it. Nothing to do where the tests run in one process."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         yield
@@ -125,10 +130,10 @@ def free_port():
 
 
 # Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
-LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
-                "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                "MV2_COMM_WORLD_RANK")  # fmt: skip
+LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK", "GROUP_RANK",
+                "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                "PMI_RANK", "MV2_COMM_WORLD_RANK")  # fmt: skip
 
 
 def script_env(**extra):
@@ -199,7 +204,9 @@ def wait_for_line(proc, prefix, limit=120):
                 return lines
     finally:
         deadline.cancel()
-    pytest.fail(f"no line {prefix!r} within {limit} s, or the launch ended:\n{''.join(lines)}\n{proc.stderr.read()}")
+    pytest.fail(
+        f"no line {prefix!r} within {limit} s, or the launch ended:\n{''.join(lines)}\n{proc.stderr.read()}"
+    )
 
 
 def kill_group(proc):

@@ -1,4 +1,4 @@
-"""bench/scaling.py, the benchmark a user runs, on the small generated data: it writes its tables, plot and runs."""
+"""bench/scaling.py, the user's benchmark, on small generated data: it writes its tables, plot and runs."""
 
 import json
 import math
@@ -48,7 +48,7 @@ def test_scaling_benchmark_writes_table_plot_and_runs(data_dir, tmp_path):
     for run in runs:
         m = run["metrics"]
         assert 0 < m["train_seconds"] < 300 and m["samples_per_second"] > 0, run["config"]
-        # torch alone is a few hundred MiB; the whole run's peak, exit included, is at least a rank's while it worked
+        # torch alone is a few hundred MiB; the whole run's peak, exit included, is at least a working rank's
         assert 100 < scaling.rank_peak_mib(run) <= run["peak_rss_run_mib"] < 8192, run["config"]
         if "test_accuracy" in m:  # the floor does not evaluate
             assert 0.5 < m["test_accuracy"] <= 1, run["config"]  # the fixture's classes are learnable
@@ -67,7 +67,16 @@ def test_targets_are_judged_within_each_repeat():
     keys = {label: config.key for label, _, config in scaling.reference_configs()}
     records = []
     for repeat, slow in enumerate([1.0, 1.5, 1.0]):
-        for label, seconds in {"a": 10, "b": 11, "c": 20, "d": 12, "e": 25, "f": 8, "g": 13, "h": 10.5}.items():
+        for label, seconds in {
+            "a": 10,
+            "b": 11,
+            "c": 20,
+            "d": 12,
+            "e": 25,
+            "f": 8,
+            "g": 13,
+            "h": 10.5,
+        }.items():
             extra = 3 if (repeat, label) == (2, "b") else 0  # one disturbed run
             records.append(
                 {
@@ -92,7 +101,9 @@ def test_targets_are_judged_within_each_repeat():
         "PASS"
     )  # a rank's largest peak
     assert rows["(b) / (e), exit included"][1] == pytest.approx(1.0)
-    assert rows["(b) / (e), exit included"][4:] == rows["(h) / (a)"][4:] == [None, None]  # measurements, not targets
+    assert (
+        rows["(b) / (e), exit included"][4:] == rows["(h) / (a)"][4:] == [None, None]
+    )  # measurements, not targets
 
 
 def test_the_median_interval_holds_the_median_with_at_least_90_percent():
@@ -126,7 +137,10 @@ def test_a_two_sided_target_fails_clearly_only_when_the_whole_interval_misses_it
     assert within.verdict(0.6, (0.55, 0.7)) == "FAIL"
     assert within.verdict(0.6, (-0.7, 0.7)) == "FAIL, inside the noise"  # both ends miss, the middle passes
     strict = scaling.Target("> 1", low=1, strict=True)
-    assert strict.verdict(1.0, (0.9, 1.0)) == "FAIL" and strict.verdict(1.05, (1.0, 1.1)) == "PASS, inside the noise"
+    assert (
+        strict.verdict(1.0, (0.9, 1.0)) == "FAIL"
+        and strict.verdict(1.05, (1.0, 1.1)) == "PASS, inside the noise"
+    )
 
 
 def test_the_runs_of_each_judged_pair_run_next_to_each_other():
@@ -185,10 +199,15 @@ def test_earlier_benchmarks_are_reported_again_and_pooled_without_measuring(tmp_
     scaling.main(["--from-runs", first, second, "--out-dir", str(tmp_path / "pooled")])
     table = (tmp_path / "pooled" / "scaling.md").read_text()
     assert (
-        "commit aaaaaaa, bbbbbbb" in table and "median of 5 run(s) per row" in table and "2 benchmarks, pooled" in table
+        "commit aaaaaaa, bbbbbbb" in table
+        and "median of 5 run(s) per row" in table
+        and "2 benchmarks, pooled" in table
     )
     # 5 repeats: 1.1, 1.1, 1.2, 1.2, 1.2 against the floor; the median fails, the interval reaches across 1.15
-    assert "| 1.10, 1.10, 1.20, 1.20, 1.20 | 1.200 | 1.10 to 1.20 |" in table and "FAIL, inside the noise" in table
+    assert (
+        "| 1.10, 1.10, 1.20, 1.20, 1.20 | 1.200 | 1.10 to 1.20 |" in table
+        and "FAIL, inside the noise" in table
+    )
     pooled = json.loads((tmp_path / "pooled" / "runs.json").read_text())
     assert sorted({r["repeat"] for r in pooled["runs"]}) == [0, 1, 2, 3, 4]
 

@@ -16,7 +16,9 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import compare  # noqa: E402
 
 LIGHTNING = importlib.util.find_spec("lightning") is not None
-NO_LIGHTNING = "lightning is not installed (pip install -r requirements-dev.txt): the Lightning peers were not run"
+NO_LIGHTNING = (
+    "lightning is not installed (pip install -r requirements-dev.txt): the Lightning peers were not run"
+)
 # The module's one comparison (a minute) is made once: its tests stay on one pytest-xdist worker.
 pytestmark = pytest.mark.xdist_group("peers")
 PEERS = ["tutorial-ddp", *(compare.NEEDS_LIGHTNING if LIGHTNING else ())]
@@ -49,7 +51,9 @@ def test_every_run_gets_four_timings_and_learns(comparison):
         assert r["peak_rss_run_mib"] > 100 and not r["left_processes_behind"], name
     assert "| run | wall (s) | first step (s) | loop (s) | exit (s) |" in table
     assert all(f"| {name}: " in table for name in runs)
-    assert table.count("too few repeats to tell from noise") == 3 + len(PEERS)  # every target judged, 1 repeat
+    assert table.count("too few repeats to tell from noise") == 3 + len(
+        PEERS
+    )  # every target judged, 1 repeat
 
 
 @pytest.mark.skipif(not LIGHTNING, reason=NO_LIGHTNING)
@@ -57,16 +61,23 @@ def test_the_lightning_peers_ran_with_both_strategies(comparison):
     runs = {r["config"]: r for r in comparison[0]["runs"]}
     assert {runs[name]["metrics"]["strategy"] for name in compare.NEEDS_LIGHTNING} == {"ddp", "ddp_spawn"}
     # Lightning shares the cores out between its processes, as torchrun does.
-    assert all(runs[name]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for name in compare.NEEDS_LIGHTNING)
+    assert all(
+        runs[name]["threads"] == max(1, len(os.sched_getaffinity(0)) // 2) for name in compare.NEEDS_LIGHTNING
+    )
 
 
 def test_lines_are_timed_on_arrival_and_the_exit_after_the_last_one():
     code = (
-        "import time; print('starting', flush=True); time.sleep(0.3); print('epoch: 0 [0/1 (0%)]', flush=True); "
-        "time.sleep(0.4); print('last', flush=True); time.sleep(0.6)"
+        "import time; print('starting', flush=True); time.sleep(0.3); "
+        "print('epoch: 0 [0/1 (0%)]', flush=True); time.sleep(0.4); "
+        "print('last', flush=True); time.sleep(0.6)"
     )
     run = compare.TimedRun([sys.executable, "-c", code], timeout=60)
-    assert run.returncode == 0 and [line for _, _, line in run.lines] == ["starting", "epoch: 0 [0/1 (0%)]", "last"]
+    assert run.returncode == 0 and [line for _, _, line in run.lines] == [
+        "starting",
+        "epoch: 0 [0/1 (0%)]",
+        "last",
+    ]
     first, step, last = (t for t, _, _ in run.lines)
     assert step - first == pytest.approx(0.3, abs=0.15) and last - step == pytest.approx(0.4, abs=0.15)
     assert run.first(compare.FIRST_STEP) == step and run.exit_at - last == pytest.approx(0.6, abs=0.15)
@@ -88,7 +99,13 @@ def test_the_checks_are_taken_within_each_repeat():
     """A slow second repeat moves both runs of a pair alike: the judged ratio stays that of its own repeat."""
     timings = {"distributed": (17, 5, 1.0), "baseline": (20, 4.5, 0.9), "tutorial-ddp": (34, 9, 2.0)}
     records = [
-        dict(config=name, repeat=repeat, wall_seconds=wall * slow, first_step_seconds=first * slow, exit_seconds=exit_)
+        dict(
+            config=name,
+            repeat=repeat,
+            wall_seconds=wall * slow,
+            first_step_seconds=first * slow,
+            exit_seconds=exit_,
+        )
         for repeat, slow in enumerate([1.0, 1.5, 1.0, 1.0, 1.0])
         for name, (wall, first, exit_) in timings.items()
     ]
@@ -101,4 +118,9 @@ def test_the_checks_are_taken_within_each_repeat():
     assert rows["distributed first step − baseline first step (s)"][1] == pytest.approx(0.5)
     assert rows["distributed exit − baseline exit (s)"][1] == pytest.approx(0.1)
     median, interval, target, verdict = rows["tutorial-ddp wall ÷ distributed wall"][1:]
-    assert (median, interval, target, verdict) == (pytest.approx(2.0), pytest.approx((2.0, 2.0)), "≥ 1.8", "PASS")
+    assert (median, interval, target, verdict) == (
+        pytest.approx(2.0),
+        pytest.approx((2.0, 2.0)),
+        "≥ 1.8",
+        "PASS",
+    )

@@ -135,7 +135,9 @@ class DestroyGroupAtExit(L.Callback):
 
     def setup(self, trainer, pl_module, stage):
         if torch.distributed.is_initialized() and not getattr(DestroyGroupAtExit, "registered", False):
-            atexit.register(lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group())
+            atexit.register(
+                lambda: torch.distributed.is_initialized() and torch.distributed.destroy_process_group()
+            )
             DestroyGroupAtExit.registered = True
 
 
@@ -189,12 +191,18 @@ if __name__ == "__main__":
     parser.add_argument("--strategy", choices=["ddp", "ddp_spawn"], default="ddp", help="Lightning strategy")
     parser.add_argument("--devices", type=int, default=2, help="processes (default: 2)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
-    parser.add_argument("--batch-size", type=int, default=64, help="input batch size on each process (default: 64)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="input batch size on each process (default: 64)"
+    )
     parser.add_argument("--test-batch-size", type=int, default=1000, help="test batch size (default: 1000)")
     parser.add_argument("--lr", type=float, default=0.5, help="Adadelta learning rate (default: 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    parser.add_argument(
+        "--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)"
+    )
     parser.add_argument("--data-dir", default="./data", help="data folder (default: ./data)")
-    parser.add_argument("--log-interval", type=int, default=10, help="batches between progress lines (default: 10)")
+    parser.add_argument(
+        "--log-interval", type=int, default=10, help="batches between progress lines (default: 10)"
+    )
     parser.add_argument("--metrics-json", help="write the run's figures here as JSON (default: none)")
     main(parser.parse_args())

@@ -1,4 +1,4 @@
-"""Peer: the ConvNet recipe written the way the PyTorch tutorials write a torchrun + DDP script.
+r"""Peer: the ConvNet recipe written the way the PyTorch tutorials write a torchrun + DDP script.
 
 Modelled on pytorch/examples distributed/ddp-tutorial-series/multinode.py: the process group from
 torchrun's environment, a Trainer class, a DataLoader with a DistributedSampler (set_epoch every
@@ -6,7 +6,8 @@ epoch), DistributedDataParallel; the data and transforms of pytorch/examples mni
 (torchvision dataset, ToTensor + Normalize per image). Gloo instead of NCCL: this runs on CPUs.
 It is deliberately left as its users write it, not tuned: it is what this project is compared with.
 
-    torchrun --standalone --nproc-per-node 2 bench/peers/tutorial_ddp.py --dataset fashion-mnist --data-dir data
+    torchrun --standalone --nproc-per-node 2 bench/peers/tutorial_ddp.py \
+        --dataset fashion-mnist --data-dir data
 
 --batch-size is per process (64 x 2 processes = a global batch of 128).
 """
@@ -174,12 +175,18 @@ def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="ConvNet on MNIST with torchrun + DDP, tutorial style")
     parser.add_argument("--epochs", type=int, default=1, help="epochs to train (default: 1)")
-    parser.add_argument("--batch-size", type=int, default=64, help="input batch size on each process (default: 64)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="input batch size on each process (default: 64)"
+    )
     parser.add_argument("--test-batch-size", type=int, default=1000, help="test batch size (default: 1000)")
     parser.add_argument("--lr", type=float, default=0.5, help="Adadelta learning rate (default: 0.5)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    parser.add_argument(
+        "--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)"
+    )
     parser.add_argument("--data-dir", default="./data", help="data folder (default: ./data)")
-    parser.add_argument("--log-interval", type=int, default=10, help="batches between progress lines (default: 10)")
+    parser.add_argument(
+        "--log-interval", type=int, default=10, help="batches between progress lines (default: 10)"
+    )
     parser.add_argument("--metrics-json", help="write the run's figures here as JSON (default: none)")
     main(parser.parse_args())
