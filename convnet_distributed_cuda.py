@@ -1,23 +1,21 @@
 #!/usr/bin/env python3
 """Data-parallel training of a small ConvNet on MNIST, on GPUs: one process per GPU, NCCL.
 
-Each machine runs this script once. It starts one worker process per GPU it uses
-(--num-gpu-processes, default every visible GPU); all workers of all machines join one
-process group over NCCL. Every worker holds a copy of the model on its GPU, trains on its
-own shard of each epoch (DistributedSampler), and DistributedDataParallel averages the
-gradients. --batch-size is per process: the global batch is batch size x world size.
-On a machine without a GPU use convnet_distributed.py, the same training on CPUs.
+Each machine runs this script once: one worker per GPU, and the workers of all machines join one NCCL
+process group. Each trains on its shard of every epoch; DistributedDataParallel averages the gradients.
+--batch-size is per process: the global batch is batch size x world size. Without a GPU, use
+convnet_distributed.py.
 
 One GPU:
-    python convnet_distributed_cuda.py --num-machines 1 --num-gpu-processes 1 --machine-id 0 --epochs 1 --batch-size 128
+  python convnet_distributed_cuda.py --num-machines 1 --num-gpu-processes 1 --machine-id 0 --batch-size 128
 Every GPU of this machine (8 GPUs: 8 processes, global batch 8 x 64):
-    python convnet_distributed_cuda.py --batch-size 64
-Two machines with 8 GPUs each: one launch per machine, both naming machine 0's address:
-    python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --num-gpu-processes 8 --master-addr 10.0.0.1 --master-port 8892
-    python convnet_distributed_cuda.py --num-machines 2 --machine-id 1 --num-gpu-processes 8 --master-addr 10.0.0.1 --master-port 8892
-Under torchrun, which starts the processes itself (the script joins its group):
-    torchrun --nproc-per-node 8 convnet_distributed_cuda.py
-"""  # noqa: E501 (commands are one line each)
+  python convnet_distributed_cuda.py --batch-size 64
+Two machines, every GPU of each: one launch per machine, both naming machine 0's address:
+  python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1 --master-port 8892
+  python convnet_distributed_cuda.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1 --master-port 8892
+Under torchrun, which starts the processes itself:
+  torchrun --nproc-per-node 8 convnet_distributed_cuda.py
+"""
 
 import _thread
 import argparse
@@ -46,7 +44,7 @@ from datetime import timedelta
 from multiprocessing import resource_tracker
 
 LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
-# c10d and Gloo log each failure in C++, stack traces included; the scripts report each in one line instead.
+# c10d logs each failure in C++, stack traces included; the script reports each in one line instead.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch
 import torch.distributed as dist
@@ -58,23 +56,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-# torchvision imports torch._dynamo, as DistributedDataParallel's constructor would anyway. It must be
-# imported before the process group exists: imported after, Gloo's threads outlive destroy_process_group()
-# and are torn down at interpreter exit, which can abort the process after a finished run.
+# Import torchvision (and with it torch._dynamo) before any process group exists: see docs/compat.md.
 from torchvision import datasets
 
-# ---- 1. Constants ---------------------------------------------------------------------------------------------
-
+# ---- 1. Constants ------------------------------------------------------------------------------------------
 
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "NCCL"  # the process group's, as the lines that report a failure name it
-
-
-TEST_BATCH_SIZE = 1000  # test images per forward pass: a GPU does a large batch in about the time of a small one
-
-
+TEST_BATCH_SIZE = 1000  # images per forward pass: a GPU does a large batch in about the time of a small one
 RESOLVE_SECONDS = 30  # how long --master-addr may take to resolve: DNS records of new pods appear in seconds
-
 
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
@@ -83,7 +73,7 @@ DATASETS = {
 }
 
 
-# ---- 2. The model ---------------------------------------------------------------------------------------------
+# ---- 2. The model ------------------------------------------------------------------------------------------
 
 
 class ConvNet(nn.Module):
@@ -109,12 +99,7 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# ---- 3. Data --------------------------------------------------------------------------------------------------
-
-
-def raw_folder(args):
-    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+# ---- 3. Data -----------------------------------------------------------------------------------------------
 
 
 def load_data(args):
@@ -137,22 +122,22 @@ def to_input(images, dataset):
 
 
 def epoch_batches(sampler, epoch, batch_size, device):
-    """This rank's batches of an epoch, as index tensors: the sampler picks the shard and its order. The same
-    batches as DataLoader(dataset, batch_size, sampler=DistributedSampler(...)), without its per-image work."""
+    """This rank's batches of an epoch, as index tensors, in the sampler's shard and order: the batches of
+    DataLoader(dataset, batch_size, sampler=DistributedSampler(...)), without its per-image work."""
     sampler.set_epoch(epoch)  # without it every epoch repeats the first epoch's order
     return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
 
 
-# ---- 4. Train and evaluate ------------------------------------------------------------------------------------
+# ---- 4. Train and evaluate ---------------------------------------------------------------------------------
 
 
 def train(model, optimizer, data, rank, world_size, args):
-    """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then the metrics."""
+    """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    # DDP broadcasts rank 0's weights: all copies start equal. device_ids names this process's GPU; a CPU has none.
-    match_gradient_strides(model)  # cuDNN's gradient of conv1's weight has other strides: DDP would copy it
-    # PowerSGD needs the whole model in one bucket (see compress_gradients).
+    match_gradient_strides(model)
+    # DDP broadcasts rank 0's weights, so every copy starts equal. device_ids names this process's GPU
+    # (None on a CPU, where the tests run). PowerSGD needs the whole model in one bucket (compress_gradients).
     ddp_model = DistributedDataParallel(
         model,
         device_ids=None if device.type == "cpu" else [device.index],
@@ -161,31 +146,35 @@ def train(model, optimizer, data, rank, world_size, args):
     compression = compress_gradients(ddp_model, args.compress)
     start_epoch = resume(model, optimizer, args, compression) if args.resume else 0
     print0(layout_line(world_size, args, "gloo" if device.type == "cpu" else "nccl"))
-    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(
+        train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
+    )
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
         # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         batches = epoch_batches(sampler, epoch, args.batch_size, device)
-        # Every rank arrives here in step: DDP's set-up and the last epoch's evaluation synchronise.
+        # The ranks start the clock together: DDP's set-up and the last evaluation synchronise them.
         start = time.perf_counter()
         train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
         train_seconds += time.perf_counter() - start
         dist.all_reduce(train_loss)
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
+        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
         release_freed_memory()
-        accuracy = f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)"
+        accuracy = f"{round(test_accuracy * n_test)}/{n_test} ({100 * test_accuracy:.2f}%)"
         print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
         loss = train_loss.item() / world_size
-        history.append({"epoch": epoch, "train_loss": loss, "test_loss": test_loss, "test_accuracy": test_accuracy})
+        history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=test_accuracy))
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args, compression)
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, rank, world_size, args)
-    test = test_loss, test_accuracy, test_count
+        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
+    test = test_loss, test_accuracy, n_test
     report(
-        run_figures(args, device, world_size, history, train_seconds, len(train_labels), test, compress=args.compress),
+        run_figures(
+            args, device, world_size, history, train_seconds, len(train_labels), test, compress=args.compress
+        ),
         args,
     )
 
@@ -224,30 +213,35 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
-# ---- 5. Process group and DDP ---------------------------------------------------------------------------------
-# Every process runs worker(): it joins the process group, builds its own copy of the model and trains it on its
-# shard. DistributedDataParallel averages the gradients inside backward(): every copy takes the same step.
+# ---- 5. Process group and DDP ------------------------------------------------------------------------------
+# Every process runs worker(): it joins the process group, builds its own copy of the model and trains it
+# on its shard. DistributedDataParallel averages the gradients in backward(): every copy takes the same step.
 
 
 def join_group(rank, world_size, args, listener=None):
     """Join the job's process group over NCCL: every process of every machine meets at machine 0."""
-    # The rendezvous: rank 0 serves a small key-value store at --master-addr:--master-port and every process
-    # connects to it (init_method="env://" does the same from MASTER_ADDR and MASTER_PORT). torchrun's agent
-    # serves its own store, to which rank 0 connects as well.
+    # The rendezvous: rank 0 (under torchrun, its agent) serves a key-value store at --master-addr and
+    # --master-port, and every process connects to it, as init_method="env://" does from MASTER_ADDR/PORT.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, here and in every collective
-    with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0; errors: one line
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options)
-    if args.launcher == "torchrun":  # its store outlives a restart: apart, or a restart reads the last attempt's keys
+    timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, in collectives too
+    with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
+        store = dist.TCPStore(
+            args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
+        )
+    if args.launcher == "torchrun":  # its store outlives a restart: a prefix keeps each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
-    roll_call(store, rank, world_size, args)  # one job, one decision: every process checks in, or every one stops
-    one_gpu_each(store, rank, world_size, args)  # two processes on one GPU: NCCL would fail obscurely
-    reach_every_machine(store, rank, args)  # a firewall that lets the rendezvous port alone through
-    keep_nccl_on_loopback(world_size, args)
-    gpu = torch.device("cuda", torch.cuda.current_device())  # device_id: NCCL connects here, not at DDP's first step
-    with nccl_failures(store, rank, args):
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu)
-    follow_rank0_files(args)  # every rank enters the collectives of the files rank 0 writes
+    # One job, one decision: every process checks in, or all stop; rank 0 counts the machines.
+    job = job_record(args, **roll_call(store, rank, world_size, args))
+    one_gpu_each(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
+    reach_every_machine(store, rank, job)  # a firewall that lets only the rendezvous port through
+    keep_nccl_on_loopback(world_size, job)
+    # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    with nccl_failures(store, rank, job):
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
+        )
+    return job_record(job, **rank0_files(job))  # every rank follows rank 0's files
 
 
 def worker(local_rank, args, data, listener=None):
@@ -256,133 +250,49 @@ def worker(local_rank, args, data, listener=None):
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = select_device(local_rank)
-    join_group(rank, world_size, args, listener)
+    job = join_group(rank, world_size, args, listener)  # the flags, and the layout the roll call decided
     try:
-        if args.check:
-            check_group(world_size, device, args)
+        if job.check:
+            check_group(world_size, device, job)
             return
         if data is None:  # under torchrun: one process per machine fetches the files, the others wait
             if local_rank == 0:
-                prepare_data(args)
+                prepare_data(job)
             dist.barrier()
-            data = load_data(args)
-        check_same_data(data, rank, args)  # a machine whose copy of the files differs would train on other data
-        torch.manual_seed(args.seed)  # the same initial weights as the baseline script's
-        # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
+            data = load_data(job)
+        check_same_data(data, rank, job)  # a machine whose files differ would train on other data
+        torch.manual_seed(job.seed)  # the same initial weights as the baseline script's
+        # Channels-last is the layout cuDNN's tensor-core convolutions work in.
         model = ConvNet().to(device, memory_format=torch.channels_last)
         keep_pool_gradient_channels_last(model)
-        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-        train(model, optimizer, data, rank, world_size, args)
+        optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
+        train(model, optimizer, data, rank, world_size, job)
     except RuntimeError as e:
-        # A lost peer comes as a DistError, or from Gloo as a plain RuntimeError raised inside backward() by DDP.
-        if not isinstance(e, dist.DistError) and BACKEND.lower() not in str(e).lower():
-            raise
-        if local_rank_of(rank, args) != 0:  # one line a machine: where its local rank 0 says it too, it goes first
-            time.sleep(2)
-        sys.exit(
-            f"error: rank {rank} lost contact with the job ({last_line(e)}): another process stopped, "
-            f"or did not answer within --timeout {args.timeout:g} s"
-        )
+        exit_if_contact_lost(e, rank, job)  # a lost peer: one line, not a traceback
+        raise
     finally:
-        leave_group()
+        GROUPS_KEPT.append(dist.group.WORLD)  # never freed: its destructor can deadlock (docs/compat.md)
+        dist.destroy_process_group()
 
 
-def check_group(world_size, device, args):
-    """--check: one all-reduce over the whole group, as every training step makes, then stop."""
-    total = torch.ones(1, device=device)
-    dist.all_reduce(total)  # every process adds its 1: each reached all the others
-    if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
-    print0(
-        f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} reached each other"
-    )
-    if world_size > placement(args, 0)[2]:  # across machines: what the network will cost each step
-        print0(network_cost(device, args))
-
-
-def select_device(local_rank):
-    """This process's GPU, made current before the group is made: NCCL binds each rank to it. A launcher that
-    gives each process a GPU of its own (srun --gpus-per-task=1) leaves it one to see, cuda:0."""
-    local_rank %= torch.cuda.device_count()  # more processes than GPUs: two share one, which one_gpu_each names
-    torch.cuda.set_device(local_rank)
-    # TF32 tensor cores for float32 matrix products and convolutions: about 10 bits of mantissa
-    # where the gradient noise of a 64-image batch is far larger.
-    if hasattr(torch.backends.cudnn, "conv"):  # torch 2.9 and later
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    return torch.device("cuda", local_rank)
-
-
-def print0(message):
-    """Print on rank 0 only: one log for the whole job, not one per process."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
-# ---- 6. Checkpoint and metrics --------------------------------------------------------------------------------
+# ---- 6. Checkpoint and metrics -----------------------------------------------------------------------------
 
 
 def save_checkpoint(model, optimizer, epoch, args, compression=None):
     state = {
-        "format": CHECKPOINT_FORMAT, "epoch": epoch, "dataset": args.dataset,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "format": CHECKPOINT_FORMAT,
+        "epoch": epoch,
+        "dataset": args.dataset,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
         # PowerSGD's error feedback, every rank's (a collective), so that --resume stays exact
         "compression": compression.state_dict() if compression else None,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-    }  # fmt: skip
-    save0(args.checkpoint, lambda f: torch.save(state, f))
+    }
+    save_on_rank0(args.checkpoint, lambda f: torch.save(state, f))
 
 
-def resume(model, optimizer, args, compression=None):
-    """Load --checkpoint into model, optimizer and PowerSGD's state; returns the epoch to start from. Rank 0
-    reads the file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
-    state, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            state = read_checkpoint(args)
-        except ValueError as e:
-            error = str(e)
-    box = [(state, error)]
-    dist.broadcast_object_list(box, src=0)
-    state, error = box[0]
-    if state is not None and error is None:
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            if compression:
-                compression.load_state_dict(state.get("compression"), args)
-        except (RuntimeError, ValueError, KeyError) as e:
-            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
-    if error is not None:
-        sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
-    if state is None:
-        print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
-        return 0
-    print0(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
-    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
-    # say --lr: --lr wins, as every other flag of a resumed run does.
-    saved_lr = optimizer.param_groups[0]["lr"]
-    for group in optimizer.param_groups:
-        group["lr"] = args.lr
-    if saved_lr != args.lr:
-        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
-    return state["epoch"] + 1
-
-
-def report(metrics, args):
-    """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
-    print0(
-        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
-        f"launch to end {metrics['total_seconds']:.2f} s"
-    )
-    if args.metrics_json:
-        save0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print0(f"Finished training in {metrics['train_seconds']:.2f} secs")
-
-
-# ---- 7. Launch and command line -------------------------------------------------------------------------------
+# ---- 7. Launch and command line ----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -391,23 +301,88 @@ def main(argv=None):
         sys.exit("error: no CUDA GPU is visible: this script needs one; on CPUs run convnet_distributed.py")
     if args.rank is None and args.num_gpu_processes > torch.cuda.device_count():  # else one_gpu_each checks
         sys.exit(
-            f"error: --num-gpu-processes {args.num_gpu_processes}: only {torch.cuda.device_count()} GPU(s) visible"
+            f"error: --num-gpu-processes {args.num_gpu_processes}: "
+            f"only {torch.cuda.device_count()} GPU(s) visible"
         )
-    with stop_cleanly(args):  # Ctrl-C or SIGTERM stops every process of this launch, with one line (exit 130, 143)
+    with exit_on_signal(args):  # Ctrl-C or SIGTERM stops every process of this launch, in one line
         if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
             return worker(args.local_rank, args, None)
-        # Machine 0 holds the rendezvous port from now until rank 0 serves on it; a job on one machine given no port
-        # takes a free one, as torchrun --standalone does, so that jobs side by side never meet.
-        listener = claim_port(args)
-        data = None
-        if not args.check:
-            # Once per machine, before the workers start: N processes downloading into one folder race.
+        # Hold the rendezvous port for rank 0; a one-machine job given none takes a free one: jobs never meet.
+        listener, port = claim_port(args)
+        job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
+        if not args.check:  # once per machine, before the workers: processes fetching into one folder race
             prepare_data(args)
-            data = load_data(args)
+        data = None if args.check else load_data(args)
         if args.num_gpu_processes == 1:
-            worker(0, args, data, listener)
-        else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), as the textbook has it, with the signals held
-            run_workers(args, data, args.num_gpu_processes, listener)
+            worker(0, job, data, listener)
+        else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), with the signals held
+            run_workers(job, data, args.num_gpu_processes, listener)
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Fill the layout the flags leave open (from a launcher), and make the checks argparse cannot.
+    complete_args(parser, args)
+    return args
+
+
+# ============================================================================================================
+# Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
+# M1-M2: this script's own rooms. S1-S8: the shared block, the same code as in convnet_distributed.py.
+# ============================================================================================================
+
+
+# ---- M1. This script's layout: flags, else the launcher's, else every GPU ----------------------------------
+
+
+def build_parser():
+    # Flags of two words take the article's spelling too: --num_machines as well as --num-machines.
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    # fmt: off
+    add("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
+    add("--batch-size", "--batch_size", type=positive_int, default=64, metavar="N",
+        help="images per batch in each process; the global batch is this x world size (default: 64)")
+    add("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
+    add("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    add("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
+    add("--data-dir", "--data_dir", default="./data", metavar="DIR",
+        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
+    add("--log-interval", "--log_interval", type=positive_int, default=10, metavar="N",
+        help="batches between progress lines (default: 10)")
+    add("--threads", type=positive_int, default=None, metavar="N",
+        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores divided "
+             "by the processes on this machine, at least 1)")
+    add("--amp", action="store_true", help="bfloat16 autocast (default: off)")
+    add("--checkpoint", metavar="PATH",
+        help="save model and optimizer here after every epoch (default: none)")
+    add("--resume", action="store_true",
+        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
+    add("--metrics-json", "--metrics_json", metavar="PATH",
+        help="write the run's figures here as JSON (default: none)")
+    add("--num-machines", "--num_machines", type=positive_int, default=None, metavar="N",
+        help="machines in the job (default: 1)")
+    add("--num-gpu-processes", "--num_gpu_processes", type=positive_int, default=None, metavar="N",
+        help="processes on this machine, one per GPU, GPUs 0 to N-1 (default: every visible GPU)")
+    add("--machine-id", "--machine_id", type=int, default=None, metavar="ID",
+        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
+    add("--master-addr", "--master_addr", type=host, default=None, metavar="HOST",
+        help="address of machine 0, which every process contacts "
+             "(default: MASTER_ADDR if set, else 127.0.0.1)")
+    add("--master-port", "--master_port", type=port_number, default=None, metavar="PORT",
+        help="free TCP port on machine 0 (default: MASTER_PORT if set, else a free port for a job on one "
+             "machine, 8892 across machines)")
+    add("--compress", choices=["none", "bf16", "powersgd"], default="none",
+        help="compress the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
+             "approximation, about 1/15 of them, for slow links (100 Mbit/s) (default: none)")
+    add("--timeout", type=positive_float, default=300, metavar="SECONDS",
+        help="how long a process waits for its peers before giving up (default: 300)")
+    add("--check", action="store_true",
+        help="make the process group as a real run would, average once and exit without training: a check "
+             "before a long job (default: off)")
+    # fmt: on
+    return p
 
 
 def placement(args, local_rank):
@@ -421,124 +396,60 @@ def placement(args, local_rank):
     )
 
 
-def parse_args(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # The layout where the flags leave it open (a launcher's variables), and the checks argparse cannot make: a flag
-    # that cannot work is one line now, not a failure after start-up.
-    complete_args(parser, args)
-    return args
-
-
-def build_parser():
-    # Flags of two words take the article's spelling too: --num_machines as well as --num-machines.
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = p.add_argument  # one flag a line (or two): the help text says what it does and its default
-    # fmt: off
-    add("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    add("--batch-size", "--batch_size", type=positive_int, default=64, metavar="N",
-        help="images per batch in each process; the global batch is this x world size (default: 64)")
-    add("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    add("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    add("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    add("--data-dir", "--data_dir", default="./data", metavar="DIR",
-        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
-    add("--log-interval", "--log_interval", type=positive_int, default=10, metavar="N",
-        help="batches between progress lines (default: 10)")
-    add("--threads", type=positive_int, default=None, metavar="N",
-        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores divided by the "
-             "processes on this machine, at least 1)")
-    add("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    add("--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)")
-    add("--resume", action="store_true",
-        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
-    add("--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)")
-    add("--num-machines", "--num_machines", type=positive_int, default=None, metavar="N",
-        help="machines in the job (default: 1)")
-    add("--num-gpu-processes", "--num_gpu_processes", type=positive_int, default=None, metavar="N",
-        help="processes on this machine, one per GPU, GPUs 0 to N-1 (default: every visible GPU)")
-    add("--machine-id", "--machine_id", type=int, default=None, metavar="ID",
-        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
-    add("--master-addr", "--master_addr", type=host, default=None, metavar="HOST",
-        help="address of machine 0, which every process contacts (default: MASTER_ADDR if set, else 127.0.0.1)")
-    add("--master-port", "--master_port", type=port, default=None, metavar="PORT",
-        help="free TCP port on machine 0 (default: MASTER_PORT if set, else a free port for a job on one machine, "
-             "8892 across machines)")
-    add("--compress", choices=["none", "bf16", "powersgd"], default="none",
-        help="compress the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-             "approximation, about 1/15 of them, for slow links (100 Mbit/s) (default: none)")
-    add("--timeout", type=positive_float, default=300, metavar="SECONDS",
-        help="how long a process waits for its peers before giving up (default: 300)")
-    add("--check", action="store_true",
-        help="make the process group as a real run would, average once and exit without training: a check before a "
-             "long job (default: off)")
-    # fmt: on
-    return p
-
-
-# ===============================================================================================================
-# Machinery: what makes the story above fail clearly and run fast. A first reading may skip it. Its rooms:
-#   M1. This script's layout: flags, else the launcher's, else every GPU
-#   M2. GPUs and NCCL
-#   and the shared block, word for word the same in the other distributed script:
-#   S1. Launchers: who started this process, and the layout it says
-#   S2. Rendezvous and roll call: one job, one decision
-#   S3. Compression for slow links
-#   S4. Files: whole or not at all
-#   S5. Room in /dev/shm
-#   S6. Processes, signals and exit
-#   S7. Memory, speed-ups and the run's figures
-#   S8. Command-line values and words
-# ===============================================================================================================
-
-
-# ---- M1. This script's layout: flags, else the launcher's, else every GPU -------------------------------------
-
-
 def fill_layout(parser, args):
-    """Machines, processes, this machine's id and machine 0's address and port: the flags, else what the launcher
-    that started this process says (launcher_layout), else one process on one machine. A flag that says otherwise
-    than the launcher is reported, not ignored."""
+    """Machines, processes, machine id, and machine 0's address and port: the flags, else the launcher's
+    (launcher_layout), else every GPU of one machine. A flag that contradicts the launcher is an error."""
     try:
         launcher, said = launcher_layout()
     except ValueError as e:
         parser.error(str(e))
     env = {"master_addr": host(getenv("MASTER_ADDR", "")) or None, "master_port": getenv("MASTER_PORT")}
-    # A flag must agree with MASTER_ADDR and MASTER_PORT where the launcher set them (torchrun): its store is there.
-    # Elsewhere they are defaults, and so is what the launcher's own variables suggest (srun's first node).
+    # A flag must agree with MASTER_ADDR and MASTER_PORT where the launcher set them (torchrun): its store is
+    # there. Elsewhere they are defaults, as is what the launcher's own variables suggest (srun's first node).
     decided = dict(env) if said.get("sets_master") else {}
     master = {name: value or said.get(name) or None for name, value in env.items()}
     args.launcher, args.rank, args.local_rank, args.launch_note = launcher, None, 0, said.get("note")
-    args.by_host = said.get("by_host", False)  # MPI: which ranks share a machine, the roll call finds by host
-    # What the processes of this launch share, and no other launch: this launching process, here and now.
-    args.launch_id = said.get("launch_id") if launcher else f"{socket.gethostname()}/{os.getpid()}/{LAUNCH_TIME}"
+    args.by_host = said.get("by_host", False)  # MPI: the roll call finds which ranks share a machine by host
+    # An id that every process of this launch shares, and no other launch.
+    args.launch_id = (
+        said.get("launch_id") if launcher else f"{socket.gethostname()}/{os.getpid()}/{LAUNCH_TIME}"
+    )
     if launcher is not None:
         decided.update(num_machines=said["machines"], machine_id=said["machine"])
         if not said["own_launcher"]:  # the launcher started this process as one rank
             decided["num_gpu_processes"] = said["local_size"]
             args.rank, args.local_rank, args.world_size = said["rank"], said["local_rank"], said["world_size"]
-    if said.get("master_addr") == "" and said["machines"] > 1 and not (args.master_addr or master["master_addr"]):
+    if (
+        said.get("master_addr") == ""
+        and said["machines"] > 1
+        and not (args.master_addr or master["master_addr"])
+    ):
         parser.error(
-            f"{said['who']} runs this job on {said['machines']} machines: give machine 0's address as --master-addr "
-            "or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
+            f"{said['who']} runs this job on {said['machines']} machines: give machine 0's address as "
+            "--master-addr or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
         )
     defaults = {
-        "num_gpu_processes": max(1, torch.cuda.device_count()), "num_machines": 1, "machine_id": 0,
+        "num_gpu_processes": max(1, torch.cuda.device_count()),
+        "num_machines": 1,
+        "machine_id": 0,
         "master_addr": master["master_addr"] or "127.0.0.1",
-        # A job on one machine that this script starts takes a free port (claim_port); other machines must be told.
-        "master_port": master["master_port"] or ("0" if launcher is None and (args.num_machines or 1) == 1 else "8892"),
-    }  # fmt: skip
+        # A job on one machine that this script starts takes a free port (claim_port); others must be told.
+        "master_port": master["master_port"]
+        or ("0" if launcher is None and (args.num_machines or 1) == 1 else "8892"),
+    }
     for name, default in defaults.items():
         given, set_by_launcher = getattr(args, name), decided.get(name)
         if given is not None and set_by_launcher is not None and str(given) != str(set_by_launcher):
             parser.error(
-                f"--{name.replace('_', '-')} {given} disagrees with {said['who']}, which set {set_by_launcher}: "
-                f"drop the flag, or {said['fix']}"
+                f"--{name.replace('_', '-')} {given} disagrees with {said['who']}, "
+                f"which set {set_by_launcher}: drop the flag, or {said['fix']}"
             )
         setattr(args, name, next(v for v in (given, set_by_launcher, default) if v is not None))
     try:
         args.master_port = (
-            0 if str(args.master_port) == "0" and not getenv("MASTER_PORT") else port(str(args.master_port))
+            0
+            if str(args.master_port) == "0" and not getenv("MASTER_PORT")
+            else port_number(str(args.master_port))
         )
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(
@@ -548,109 +459,122 @@ def fill_layout(parser, args):
 
 
 def start_method():
-    """spawn: CUDA cannot be used in a forked child of a process that has touched it, as the launcher has
-    (it counted the GPUs)."""
+    """spawn: CUDA cannot run in a forked child of a process that has used it, as the launcher has."""
     return "spawn"
 
 
 def data_for_workers(data, args):
-    """The data run_workers hands each worker: through /dev/shm, one copy per machine, where that has room
-    (share_data). None: each loads its own."""
+    """The data run_workers hands each worker: one copy per machine in /dev/shm (share_data), or None."""
     return data if data and share_data(data) else None
 
 
-# ---- M2. GPUs and NCCL ----------------------------------------------------------------------------------------
+# ---- M2. GPUs and NCCL -------------------------------------------------------------------------------------
+
+
+def select_device(local_rank):
+    """This process's GPU, made current before the group is made: NCCL binds each rank to it. A process given
+    one GPU of its own (srun --gpus-per-task=1) sees it as cuda:0."""
+    local_rank %= torch.cuda.device_count()  # more processes than GPUs: two share one (one_gpu_each says so)
+    torch.cuda.set_device(local_rank)
+    # TF32 tensor cores for float32 matrix products and convolutions: 10 mantissa bits beat gradient noise.
+    if hasattr(torch.backends.cudnn, "conv"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.device("cuda", local_rank)
 
 
 def one_gpu_each(store, rank, world_size, args):
-    """NCCL needs a GPU of its own for each process: two on one GPU fail in NCCL ("Duplicate GPU detected"), which
-    came out as a lost contact. Each rank says which GPU it took, and rank 0 names two that share one, before NCCL
-    starts; every process then stops with that line. RANK and WORLD_SIZE without LOCAL_RANK make each process a
-    machine of its own, on cuda:0: several of them on one host share it."""
+    """Stop every process with one line where two ranks share a GPU, before NCCL fails there obscurely
+    ("Duplicate GPU detected"). Each rank says which GPU it took; rank 0 compares them."""
     index = torch.cuda.current_device()
-    # The GPU's UUID tells two GPUs apart where each process sees its own as cuda:0; torch 2.4 has none: no check.
+    # The UUID tells GPUs apart where each process sees its own as cuda:0; without one, there is no check.
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
-    store.set(f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index}))
+    store.set(
+        f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index})
+    )
     if rank == 0:
         keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
-        store.wait(keys)  # every rank has joined (the roll call, or torchrun's rendezvous): at once
+        store.wait(keys)  # at once: every rank has joined (the roll call, or torchrun's rendezvous)
         for key in keys:
             raw = store.get(key)
             other = from_json(raw)
             fields = {"rank": int, "host": str, "gpu": (str, type(None)), "index": int}
             if not (isinstance(other, dict) and all(isinstance(other.get(k), t) for k, t in fields.items())):
-                stop_job(store, rank, args, bad_value(rank, key, raw, args))
+                abort_job(store, rank, args, bad_value(rank, key, raw, args))
             first = seen.setdefault((other["host"], other["gpu"]), other)
             if other["gpu"] is not None and first is not other:
                 line = (
-                    f"error: ranks {first['rank']} and {other['rank']} share one GPU (cuda:{first['index']} on "
-                    f"{first['host']}): NCCL needs one GPU per process: start at most one process per GPU, and "
+                    f"error: ranks {first['rank']} and {other['rank']} share one GPU "
+                    f"(cuda:{first['index']} on {first['host']}): NCCL needs one GPU per process: "
+                    "start at most one process per GPU, and "
                     "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
                 )
                 break
         store.set("gpus", line)
     line = store.get("gpus").decode(errors="replace")[:2000]
     if line:
-        stop_job(None, rank, args, line)
+        abort_job(None, rank, args, line)
 
 
 @contextlib.contextmanager
 def nccl_failures(store, rank, args):
-    """A process group NCCL cannot connect is one line on every machine: the processes still waiting stop too."""
+    """A group NCCL cannot connect is one line on every machine: the processes still waiting stop too."""
     try:
-        with stopped_with_the_job(rank, args):
+        with exit_on_abort(rank, args):
             yield
     except RuntimeError as e:
-        stop_job(store, rank, args, (
-            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines reach "
-            "each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"))  # fmt: skip
+        abort_job(
+            store,
+            rank,
+            args,
+            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): "
+            "let the machines reach each other on every TCP port, "
+            "or set NCCL_SOCKET_IFNAME on each to the interface that does",
+        )
 
 
 def averaging_words(allreduce, args):
-    """How the gradients are averaged, for the layout line: by NCCL, or over Gloo where a test runs this script on
-    CPUs."""
+    """How the gradients are averaged, for the layout line: by NCCL, or over Gloo where tests run on CPUs."""
     return ("by NCCL" if allreduce == "nccl" else "over Gloo") + compression_words(args.compress)
 
 
 def keep_nccl_on_loopback(world_size, args):
-    """A job on one machine: NCCL's bootstrap, unauthenticated, listens on loopback, not on the first interface
-    NCCL finds (its GPUs talk over NVLink, PCIe or shared memory, not sockets). NCCL_SOCKET_IFNAME set by the
-    user wins."""
+    """On one machine, NCCL's unauthenticated bootstrap listens on loopback, not the first interface it
+    finds: the GPUs talk over NVLink, PCIe or shared memory. NCCL_SOCKET_IFNAME set by the user wins."""
     if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
 
 
 def match_gradient_strides(model):
-    """Hand DDP each gradient in its parameter's exact strides. cuDNN returns conv1's weight gradient
-    (16x1x3x3) with another stride for its size-1 input channel: the same memory, but DDP compares strides,
-    warns ("Grad strides do not match bucket view strides") and copies. Restating the strides is free."""
+    """Hand DDP each gradient in its parameter's strides: cuDNN gives conv1's weight gradient another stride
+    on its size-1 dimension; DDP would warn ("Grad strides do not match bucket view strides") and copy it."""
     for p in model.parameters():
         if 1 in p.shape:
-            p.register_hook(lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad)
+            p.register_hook(
+                lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad
+            )
 
 
 def same_memory(a, b):
-    """Same sizes and strides on every dimension longer than 1: element (i, j, ...) at the same offset in both."""
+    """Same sizes, and same strides on every dimension longer than 1: each element at one offset in both."""
     return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
-# ===============================================================================================================
-# Shared block: word for word the same in convnet_distributed.py and convnet_distributed_cuda.py (tests/test_model.py
-# compares the two). An edit here goes into both.
-# ===============================================================================================================
+# ============================================================================================================
+# Shared block: the same code in convnet_distributed.py and convnet_distributed_cuda.py (tests/test_model.py
+# compares them). An edit here goes into both.
+# ============================================================================================================
 
 
-# ---- S1. Launchers: who started this process, and the layout it says ------------------------------------------
+# ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 
 
-# Each launcher that starts the processes itself, how it is recognised (every variable of marked_by set; the first
-# that matches wins: torchrun and mpirun run inside SLURM jobs, whose variables they pass on), and the variables that
-# give each process its rank, the world size, its local rank, the processes on its machine (local_size), the
-# machine's index and the number of machines. A variable not named is not said: local rank 0 of 1, machine rank //
-# local size; without a machine variable (MPI) the roll call finds the machines by host. master_addr and master_port
-# give machine 0's where neither flags nor MASTER_ADDR and MASTER_PORT do ("": none, which a job across machines must
-# be given); sets_master: the launcher itself sets MASTER_ADDR and MASTER_PORT, and a flag must agree with them.
-# launch names what all processes of one launch share.
+# Launchers that start the processes themselves: marked_by recognises each (the first match wins: torchrun and
+# mpirun pass SLURM's variables on); the rest give the layout. Unnamed: local rank 0 of 1, machine = rank //
+# local size, or by host (MPI). master_addr, master_port: machine 0's where no flag or MASTER_ADDR/MASTER_PORT
+# gives it ("": must be given). sets_master: the launcher sets those itself. launch: one launch's shared id.
 LAUNCHERS = {
     "torchrun": {
         "marked_by": ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "rank": "RANK", "world_size": "WORLD_SIZE",
@@ -658,9 +582,10 @@ LAUNCHERS = {
         "launch": ("TORCHELASTIC_RUN_ID",), "sets_master": True, "fix": "give torchrun the same",
     },
     "Open MPI": {
-        "marked_by": ("OMPI_COMM_WORLD_RANK",), "rank": "OMPI_COMM_WORLD_RANK", "world_size": "OMPI_COMM_WORLD_SIZE",
-        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "launch": ("PMIX_NAMESPACE",), "master_addr": "", "fix": "give mpirun the same",  # Open MPI 4 and 5
+        "marked_by": ("OMPI_COMM_WORLD_RANK",), "rank": "OMPI_COMM_WORLD_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE", "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE", "launch": ("PMIX_NAMESPACE",), "master_addr": "",
+        "fix": "give mpirun the same",  # Open MPI 4 and 5
     },
     "MPICH": {  # and Intel MPI: both launch with Hydra
         "marked_by": ("PMI_RANK", "MPI_LOCALRANKID"), "rank": "PMI_RANK", "world_size": "PMI_SIZE",
@@ -668,15 +593,16 @@ LAUNCHERS = {
         "fix": "give mpiexec the same",
     },
     "MVAPICH": {
-        "marked_by": ("MV2_COMM_WORLD_RANK",), "rank": "MV2_COMM_WORLD_RANK", "world_size": "MV2_COMM_WORLD_SIZE",
-        "local_rank": "MV2_COMM_WORLD_LOCAL_RANK", "local_size": "MV2_COMM_WORLD_LOCAL_SIZE", "master_addr": "",
-        "fix": "give mpirun the same",
+        "marked_by": ("MV2_COMM_WORLD_RANK",), "rank": "MV2_COMM_WORLD_RANK",
+        "world_size": "MV2_COMM_WORLD_SIZE", "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
+        "local_size": "MV2_COMM_WORLD_LOCAL_SIZE", "master_addr": "", "fix": "give mpirun the same",
     },
-    # srun sets the SLURM_STEP_ variables in each task; a shell in an allocation (salloc, sbatch) has the job's only.
+    # srun sets the SLURM_STEP_ variables in each task; a shell in an allocation (salloc, sbatch) lacks them.
     "SLURM": {
         "marked_by": ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"), "rank": "SLURM_PROCID",
-        "world_size": "SLURM_STEP_NUM_TASKS", "local_rank": "SLURM_LOCALID", "local_size": "SLURM_STEP_TASKS_PER_NODE",
-        "machine": "SLURM_NODEID", "machines": "SLURM_STEP_NUM_NODES", "launch": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+        "world_size": "SLURM_STEP_NUM_TASKS", "local_rank": "SLURM_LOCALID",
+        "local_size": "SLURM_STEP_TASKS_PER_NODE", "machine": "SLURM_NODEID",
+        "machines": "SLURM_STEP_NUM_NODES", "launch": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
         "master_addr": "SLURM_STEP_NODELIST", "master_port": "SLURM_JOB_ID", "fix": "give srun the same",
     },
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
@@ -688,10 +614,11 @@ LAUNCHERS = {
 
 
 def launcher_layout():
-    """(name, facts) of the launcher in LAUNCHERS that started this process, or (None, {}): the one place the
-    launchers' variables are read. Under srun with one task per node (own_launcher) the script's own launcher runs
-    there and starts --num-processes; under every other launcher this process is one rank."""
-    name = next((n for n, says in LAUNCHERS.items() if all(getenv(v) is not None for v in says["marked_by"])), None)
+    """(name, facts) of the LAUNCHERS entry that started this process, or (None, {}). Under srun with one task
+    per node (own_launcher) this script starts --num-processes; under any other launcher it is one rank."""
+    name = next(
+        (n for n, says in LAUNCHERS.items() if all(getenv(v) is not None for v in says["marked_by"])), None
+    )
     if name is None:
         return None, {}
     says = LAUNCHERS[name]
@@ -709,12 +636,14 @@ def launcher_layout():
     machines = number("machines", -(-world_size // local_size))
     own_launcher = name == "SLURM" and world_size == machines
     master = {"master_addr": says.get("master_addr"), "master_port": None}
-    if name == "SLURM":  # the step's first node is machine 0: steps of one job run side by side on other nodes
+    # Machine 0 is the step's first node, and the port is the step's own: jobs and a job's steps share nodes.
+    if name == "SLURM":
         nodes = getenv(says["master_addr"]) or getenv("SLURM_JOB_NODELIST", "localhost")
-        # A port of this step's: jobs share nodes, and one job's steps run at once (job ids a few apart never collide)
         step = int(getenv("SLURM_STEP_ID", "0")) if getenv("SLURM_STEP_ID", "0").isdigit() else 0
-        master = {"master_addr": expand_hosts(nodes)[0],
-                  "master_port": 15000 + (number("master_port", 0) * 97 + step) % 17000}  # fmt: skip
+        master = {
+            "master_addr": expand_hosts(nodes)[0],
+            "master_port": 15000 + (number("master_port", 0) * 97 + step) % 17000,
+        }
     restart = int(getenv("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     notes = {
         "torchrun": f"torchrun, restart {restart}" if restart else "torchrun",
@@ -723,20 +652,22 @@ def launcher_layout():
         "RANK and WORLD_SIZE": f"RANK and WORLD_SIZE: rank {rank} of {world_size}, one process per launch",
     }  # fmt: skip
     launch = [getenv(v) for v in says.get("launch", ())]
-    one_process = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
+    one_process = (
+        f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
+    )
     who = one_process if name == "RANK and WORLD_SIZE" else name
     return name, {
-        "rank": rank, "world_size": world_size, "local_rank": number("local_rank", 0), "local_size": local_size,
-        "machine": machine, "machines": machines, "own_launcher": own_launcher, **master, "who": who,
-        "sets_master": says.get("sets_master", False), "by_host": "machine" not in says,
+        "rank": rank, "world_size": world_size, "local_rank": number("local_rank", 0),
+        "local_size": local_size, "machine": machine, "machines": machines, "own_launcher": own_launcher,
+        **master, "who": who, "sets_master": says.get("sets_master", False), "by_host": "machine" not in says,
+
         "fix": says["fix"], "note": notes.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}"),
         "launch_id": "/".join(launch) if launch and None not in launch else None,
     }  # fmt: skip
 
 
 def expand_hosts(text):
-    """SLURM's compressed host list, in full: node[01-03,07],gpu1 is node01 node02 node03 node07 gpu1. Read here,
-    as a node may have no scontrol."""
+    """SLURM's host list in full (no scontrol): node[01-03,07],gpu1 is node01 node02 node03 node07 gpu1."""
     hosts = []
     for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
         brackets = re.search(r"\[([^\]]*)\]", item)
@@ -745,7 +676,7 @@ def expand_hosts(text):
             continue
         for part in brackets.group(1).split(","):
             low, _, high = part.partition("-")
-            for n in range(int(low), int(high or low) + 1):  # the width of the lower bound keeps its zeros: 01
+            for n in range(int(low), int(high or low) + 1):  # zero-padded to the lower bound's width: 01
                 hosts += expand_hosts(f"{item[: brackets.start()]}{n:0{len(low)}d}{item[brackets.end() :]}")
     return hosts
 
@@ -759,14 +690,12 @@ def expand_counts(text):
     return counts
 
 
-# ---- S2. Rendezvous and roll call: one job, one decision ------------------------------------------------------
+# ---- S2. Rendezvous and roll call: one job, one decision ---------------------------------------------------
 
 
 @contextlib.contextmanager
 def rendezvous(rank, world_size, is_master, args, listener):
-    """Around the making of the store: wait until --master-addr resolves and, on the other processes, until machine
-    0 listens, so that a machine 0 that never comes is reported clearly at --timeout; a store that cannot be served
-    or reached is one line too. Yields TCPStore's other options (store_options)."""
+    """Wait until --master-addr resolves and machine 0 listens, a failure one line; yields store_options."""
     where, deadline = f"{args.master_addr}:{args.master_port}", time.monotonic() + args.timeout
     resolve(args.master_addr, rank, deadline)
     while not is_master:  # TCPStore would wait as long, then say only that it timed out
@@ -784,32 +713,35 @@ def rendezvous(rank, world_size, is_master, args, listener):
     try:
         yield store_options(is_master, args, listener)
     except (dist.DistError, OSError) as e:
-        verb = "cannot serve the rendezvous on" if is_master else "machine 0 does not answer as a rendezvous at"
+        verb = (
+            "cannot serve the rendezvous on" if is_master else "machine 0 does not answer as a rendezvous at"
+        )
         sys.exit(f"error: rank {rank}: {verb} {where} ({last_line(e)})")
 
 
 def store_options(is_master, args, listener):
-    """TCPStore's other options. Rank 0 does not wait for the others to connect: the roll call waits, and names who
-    is missing. Rank 0 serves on the socket claimed for it (claim_port), which libuv's server takes from torch 2.8
-    on, and the older server before; the other processes let go of their copy."""
+    """TCPStore's other options: rank 0 serves on claim_port's socket; nobody waits (roll_call does)."""
     if not is_master:
         if listener is not None:
             listener.close()
         return {"wait_for_workers": False}
-    listener = claim_port(args) if listener is None else listener  # a launcher's rank 0 claims it itself
+    listener = claim_port(args)[0] if listener is None else listener  # a launcher's rank 0 claims it itself
     if listener is None:  # Windows: TCPStore binds for itself
         return {"wait_for_workers": False}
-    return {"wait_for_workers": False, "master_listen_fd": listener.detach(), "use_libuv": torch.__version__ >= "2.8"}
+    return {
+        "wait_for_workers": False,
+        "master_listen_fd": listener.detach(),
+        "use_libuv": torch.__version__ >= "2.8",
+    }
 
 
 def claim_port(args):
-    """On machine 0, before any worker starts: a socket listening on the rendezvous port, held until rank 0's store
-    serves on it, so that no other launch takes the port meanwhile; where none was given, a free port, which args
-    carry to the workers. A port another program holds is one line now, naming it. None off machine 0."""
+    """Machine 0's socket on the rendezvous port (or a free one), held so no other launch takes it, and the
+    port it holds."""
     if args.machine_id != 0:
-        return None
+        return None, args.master_port
     found = resolve(args.master_addr, 0, time.monotonic() + args.timeout)
-    # The store carries no authentication: where every process is on this machine, it listens on loopback only.
+    # The store has no authentication: where every process is on this machine, it listens on loopback only.
     if args.num_machines == 1 and all(is_loopback(address[0]) for *_, address in found):
         candidates = [(family, (address[0], args.master_port, *address[2:])) for family, *_, address in found]
     else:  # every interface, as TCPStore binds: IPv6 and IPv4 where it can, else IPv4
@@ -818,25 +750,30 @@ def claim_port(args):
         listener = bound_socket(candidates)
         listener.listen()
     except OSError as e:
-        if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops, naming it
+        if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops
             machine0_twice(args)
         free = ", or give none: a job on one machine takes a free one" if args.num_machines == 1 else ""
         sys.exit(
-            f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} ({e.strerror or e}): "
-            f"{port_holder(args.master_port) or 'another program'} holds the port: choose a free --master-port{free}"
+            f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} "
+            f"({e.strerror or e}): {port_holder(args.master_port) or 'another program'} holds the port: "
+            f"choose a free --master-port{free}"
         )
-    args.master_port = listener.getsockname()[1]
-    if os.name != "posix":  # Windows: TCPStore binds for itself, as a given socket is untested there
+    port = listener.getsockname()[1]
+    if os.name != "posix":  # Windows: TCPStore binds for itself
         listener.close()
-        return None
-    return listener
+        return None, port
+    return listener, port
+
+
+def job_record(args, **decided):
+    """The job as decided: this command's flags (args, never changed), with what the launch decided."""
+    return argparse.Namespace(**{**vars(args), **decided})
 
 
 def machine0_twice(args):
-    """The port is held: where it is this job's own machine 0, still forming (the same flags, another launch), every
-    launch stops, naming it; else this launch stops alone. The store is asked in a thread: a program that is no
-    store may take the connection and never answer."""
-    found, me = [], record(0, placement(args, 0)[1], args)
+    """The port is held: if by this job's machine 0 from another launch, every launch stops; else this one
+    alone. Asked in a thread: a program that is no store may never answer."""
+    found, me = [], roll_call_record(0, placement(args, 0)[1], args)
 
     def ask():
         with contextlib.suppress(RuntimeError, ValueError):
@@ -850,13 +787,14 @@ def machine0_twice(args):
     asking.join(5)
     if found and is_record(found[0][1]):
         (store, first) = found[0]
-        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me["launch"]:
-            stop_job(store, 0, args, twice(0, first, me, args))
+        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me[
+            "launch"
+        ]:
+            abort_job(store, 0, args, claimed_twice(0, first, me, args))
 
 
 def bound_socket(candidates):
-    """A socket bound, not listening, to the first of candidates [(family, address)] this system has, as TCPStore
-    binds its own: SO_REUSEADDR (a port in TIME_WAIT is free), and IPv6 taking IPv4 too."""
+    """A socket bound (not listening) to the first (family, address) this system has, as TCPStore binds."""
     for i, (family, address) in enumerate(candidates):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -871,16 +809,20 @@ def bound_socket(candidates):
 
 
 def port_holder(port):
-    """'pid N (its command)' of the process of this host that listens on port, from /proc (Linux); else None."""
+    """'pid N (its command)' of this host's process listening on port, from /proc (Linux); else None."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         sockets = set()
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with open(table) as f:
                 rows = [row.split() for row in f.readlines()[1:]]
-            sockets |= {f"socket:[{r[9]}]" for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A"}
+            sockets |= {
+                f"socket:[{r[9]}]" for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A"
+            }
         for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
             with contextlib.suppress(OSError):
-                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                if any(
+                    os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")
+                ):
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
                     return f"pid {pid} ({command[:100]})"
@@ -888,8 +830,7 @@ def port_holder(port):
 
 
 def resolve(name, rank, deadline):
-    """Wait until name resolves: a new pod's or node's DNS record can take seconds to appear. A name that
-    still does not resolve after RESOLVE_SECONDS (or --timeout, if shorter) is a mistake: say so."""
+    """Wait for name to resolve (new DNS records can take seconds); after RESOLVE_SECONDS, it is a mistake."""
     give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
     while True:
         try:
@@ -897,8 +838,8 @@ def resolve(name, rank, deadline):
         except socket.gaierror as e:
             if time.monotonic() > give_up:
                 sys.exit(
-                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine 0's "
-                    "address, or a name every machine resolves (check /etc/hosts and DNS)"
+                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine "
+                    "0's address, or a name every machine resolves (check /etc/hosts and DNS)"
                 )
             time.sleep(0.5)
 
@@ -908,12 +849,11 @@ def is_loopback(address):
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
-# One job, one decision. What changes the computation, or what travels between the processes, must be the same on
-# every machine (the first three are the layout, which a launcher decides where one started the job). What rank 0
-# writes is taken from its command alone: machine 0 alone needs these flags. The rest are each machine's own: where
-# it reads the data, its threads, its log, its patience, and how it reaches machine 0.
-JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size", "epochs",
-             "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model", "backend")  # fmt: skip
+# What changes the computation or travels between processes agrees on every machine (the first four: the
+# layout). Rank 0's files follow its command alone; the rest are each machine's own.
+JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size",
+             "epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model",
+             "backend")  # fmt: skip
 
 
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
@@ -923,45 +863,50 @@ MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id",
 
 
 def roll_call(store, rank, world_size, args):
-    """Every process registers under its own rank's key (compare_set: a second claim finds the first), with its
-    machine, host, launch, what must agree (JOB_FLAGS) and which files rank 0 writes (RANK0_FLAGS); rank 0 waits for
-    every rank, counts the machines, then says "ready". Until then, what cannot make one job stops every process
-    within seconds, with one line per machine: a rank or machine id given twice, or machines that disagree on a flag,
-    the model, torch or the backend. A process of another job, or one that comes once the job is ready, stops alone.
-    Every rank then takes its machine's index and the job's layout."""
+    """Each process registers its record under its rank's key; rank 0 waits for all, counts the machines, and
+    says "ready". Until then a rank given twice or a disagreement stops every process."""
     try:
-        answer_roll_call(store, rank, world_size, args, time.monotonic() + args.timeout)
+        return answer_roll_call(store, rank, world_size, args, time.monotonic() + args.timeout)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        stop_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})")
+        abort_job(
+            None,
+            rank,
+            args,
+            f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})",
+        )
 
 
 def answer_roll_call(store, rank, world_size, args, deadline):
-    me = record(rank, world_size, args)
+    me = roll_call_record(rank, world_size, args)
     mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
-    if rank == 0:  # first, before any other process reads the job: a second rank 0 finds the first here
+    if rank == 0:  # before any other process reads the job: a second rank 0 finds the first here
         first = store.compare_set("job", "", mine)
         if first != mine.encode():
-            stop_job(job_store(store), rank, args, twice(0, read_record(store, 0, args, first), me, args))
+            abort_job(
+                job_store(store), rank, args, claimed_twice(0, read_record(store, 0, args, first), me, args)
+            )
     job = me if rank == 0 else read_record(store, rank, args, store.get("job"))  # rank 0 trusts only its own
     if args.machine_id == 0 and rank != 0 and args.launch_id is not None and job["launch"] != args.launch_id:
-        # Machine 0's own rank 0 could not serve this address and port (another job holds it) and says so itself.
+        # Another job holds this port: this machine's rank 0 could not serve it, and says so itself.
         time.sleep(2)
         sys.exit(1)
     differ = [k for k in JOB_FLAGS if k in job["job"] and k in me["job"] and job["job"][k] != me["job"][k]]
-    if differ and job["launcher"] != me["launcher"]:  # a job is started one way: this process is another job's
+    if differ and job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
         theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
-        stop_job(None, rank, args, (
+        abort_job(None, rank, args, (
             f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
             f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
-    if differ:  # the same job, started otherwise on some machine: every machine stops, naming what differs
-        stop_job(job_store(store), rank, args, disagreement(differ, job, me))
+    if differ:  # the same job, started otherwise on some machine: every machine stops
+        abort_job(job_store(store), rank, args, disagreement(differ, job, me))
     held = store.compare_set(f"rank/{rank}", "", mine)
     if held != mine.encode():
-        stop_job(job_store(store), rank, args, twice(rank, read_record(store, rank, args, held), me, args))
+        abort_job(
+            job_store(store), rank, args, claimed_twice(rank, read_record(store, rank, args, held), me, args)
+        )
     keys = [f"rank/{r}" for r in range(world_size)]
     while not store.check(["ready"]):
         if store.check(["abort"]):
-            stop_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
+            abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
         if rank == 0 and store.check(keys):
             machine_of = count_machines(
                 [read_record(store, 0, args, store.get(key), r) for r, key in enumerate(keys)], args
@@ -969,29 +914,33 @@ def answer_roll_call(store, rank, world_size, args, deadline):
             store.set("ready", json.dumps(machine_of))
         elif rank == 0 and time.monotonic() > deadline:
             joined = sum(store.check([key]) for key in keys)
-            stop_job(store, rank, args, (
-                f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s: start "
-                f"every machine (--num-machines {args.num_machines}, --machine-id 0 to {args.num_machines - 1}) "
-                "with the same --master-addr and --master-port"))  # fmt: skip
+            abort_job(store, rank, args, (
+                f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s: "
+                f"start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
+                f"{args.num_machines - 1}) with the same --master-addr and --master-port"))  # fmt: skip
         time.sleep(0.1)
     ready = store.get("ready")
     machine_of = from_json(ready)  # machines numbered 0, 1, ... in the order of their first rank
     firsts = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
-    if not (isinstance(machine_of, list) and len(machine_of) == world_size
-            and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(firsts, machine_of))):  # fmt: skip
-        stop_job(store, rank, args, bad_value(rank, "ready", ready, args))
-    args.machine_of, args.machine_id, args.num_machines = machine_of, machine_of[rank], max(machine_of) + 1
-    args.machine_sizes = [machine_of.count(m) for m in range(args.num_machines)]
-    unused_files(job, me, rank, args)
+    if not (
+        isinstance(machine_of, list)
+        and len(machine_of) == world_size
+        and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(firsts, machine_of))
+    ):
+        abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
+    machines = max(machine_of) + 1
+    layout = dict(machine_of=machine_of, machine_id=machine_of[rank], num_machines=machines,
+                  machine_sizes=[machine_of.count(m) for m in range(machines)])  # fmt: skip
+    unused_files(job, me, rank, job_record(args, **layout))
+    return layout
 
 
 def job_store(store):
-    """The store through which a mistake stops every process, while the job is still forming; once it is ready,
-    nothing another launch does stops it (None: the mistaken process stops alone)."""
+    """The store through which a mistake stops every process; None once the job is ready: nothing stops it."""
     return None if store.check(["ready"]) else store
 
 
-def record(rank, world_size, args):
+def roll_call_record(rank, world_size, args):
     """What a process says of itself at the roll call."""
     return {
         "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
@@ -1001,31 +950,37 @@ def record(rank, world_size, args):
     }  # fmt: skip
 
 
-# What a record holds, and of which type, checked before any of it is used: the store is unauthenticated.
+# A record's keys and types, checked before use: the store is unauthenticated.
 RECORD = {"rank": int, "machine": int, "host": str, "pid": int, "box": str, "launch": (str, type(None)),
           "launcher": (str, type(None)), "job": dict, "files": dict, "script": str}  # fmt: skip
 
 
 def read_record(store, rank, args, raw, owner=None):
-    """A record another process wrote (raw, as the store returned it), checked: a record from another version of
-    this script, or a value no version writes, is one line on every machine, not a traceback."""
+    """A record from the store, checked: another version's, or garbage, is one line on every machine."""
     found = from_json(raw)
     if is_record(found) and owner in (None, found["rank"]):
         return found
-    if isinstance(found, dict) and isinstance(found.get("script"), str) and found["script"] != script_digest():
+    if (
+        isinstance(found, dict)
+        and isinstance(found.get("script"), str)
+        and found["script"] != script_digest()
+    ):
         line = (
-            f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version of "
-            f"{os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to every machine"
+            f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version "
+            f"of {os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to "
+            "every machine"
         )
-        stop_job(job_store(store), rank, args, line)
-    stop_job(job_store(store), rank, args, bad_value(rank, "a record", raw, args))
+        abort_job(job_store(store), rank, args, line)
+    abort_job(job_store(store), rank, args, bad_value(rank, "a record", raw, args))
 
 
 def is_record(found):
     return (
-        isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in RECORD.items())
-        and type(found["rank"]) is int and isinstance(found["job"].get("model", []), list)
-    )  # fmt: skip
+        isinstance(found, dict)
+        and all(isinstance(found.get(k), t) for k, t in RECORD.items())
+        and type(found["rank"]) is int
+        and isinstance(found["job"].get("model", []), list)
+    )
 
 
 def from_json(raw):
@@ -1037,14 +992,14 @@ def from_json(raw):
 
 def bad_value(rank, key, raw, args):
     return (
-        f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which no process of this "
-        f"job wrote: another program uses {args.master_addr}:{args.master_port}; choose another --master-port"
+        f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which no "
+        f"process of this job wrote: another program uses {args.master_addr}:{args.master_port}; "
+        "choose another --master-port"
     )
 
 
 def machine_identity():
-    """What tells machines apart where no launcher numbers them (MPI): the host name, and the kernel's boot and the
-    network namespace, which two hosts or containers that share a name do not share."""
+    """Tells machines apart where no launcher numbers them (MPI): host name, boot id and network namespace."""
     parts = [socket.gethostname()]
     with contextlib.suppress(OSError):
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -1054,31 +1009,36 @@ def machine_identity():
 
 
 def job_facts(args, world_size):
-    """What this process says must agree across the job (JOB_FLAGS): its flags, its torch, its model and backend."""
+    """What must agree across the job: the JOB_FLAGS, torch, the model's shapes and the backend."""
     facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k)}
-    if args.rank is not None:  # a launcher decided the layout (and may put more processes on one machine)
+    if args.rank is not None:  # a launcher decided the layout (and may vary processes per machine)
         for k in ("num_machines", "num_processes", "num_gpu_processes"):
             facts.pop(k, None)
-    with torch.device("meta"):  # the parameters' names and shapes, with no memory and no random numbers drawn
+    with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
         shapes = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
     return {
-        **facts, "world_size": world_size, "torch": torch.__version__.split("+")[0], "model": shapes,
+        **facts,
+        "world_size": world_size,
+        "torch": torch.__version__.split("+")[0],
+        "model": shapes,
         "backend": f"{BACKEND} ({os.path.basename(__file__)})",
-    }  # fmt: skip
+    }
 
 
 def script_digest():
-    """This file's SHA-256: two machines whose scripts differ in anything but the flags and the model's shapes."""
+    """This file's SHA-256, shortened: the roll call warns where machines run different scripts."""
     with open(os.path.abspath(__file__), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
 def flag_name(key):
-    return key.replace("_", " ") if key in ("world_size", "torch", "backend") else "--" + key.replace("_", "-")
+    return (
+        key.replace("_", " ") if key in ("world_size", "torch", "backend") else "--" + key.replace("_", "-")
+    )
 
 
 def flag_words(key, value):
-    """A flag and its value as a user would say it: --lr 0.5, --amp, no --amp, world size 4, torch 2.14.1."""
+    """A flag and its value as a user says it: --lr 0.5, --amp, no --amp, world size 4."""
     if isinstance(value, bool):
         return flag_name(key) if value else f"no {flag_name(key)}"
     return f"{flag_name(key)} {value}"
@@ -1086,7 +1046,7 @@ def flag_words(key, value):
 
 def disagreement(differ, job, me):
     """The line for machines whose flags, model, torch or backend differ: what each has, and what to do."""
-    if "model" in differ:  # only the parameters that differ, not all of them
+    if "model" in differ:  # the first parameter that differs, not all of them
         theirs, ours = job["job"]["model"], me["job"]["model"]
         at = next(i for i in range(max(len(theirs), len(ours))) if theirs[i : i + 1] != ours[i : i + 1])
         what, fix = "the model", "run one copy of the script on every machine"
@@ -1095,11 +1055,14 @@ def disagreement(differ, job, me):
         what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_name, differ))
         theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
         fix = (
-            "install one torch version on every machine" if differ == ["torch"]
-            else "run one script on every machine: the CPU one, or the GPU one" if "backend" in differ
+            "install one torch version on every machine"
+            if differ == ["torch"]
+            else "run one script on every machine: the CPU one, or the GPU one"
+            if "backend" in differ
             else "start every machine with the same --num-machines and processes per machine"
-            if what == "the layout" else f"start every machine with the same {what}"
-        )  # fmt: skip
+            if what == "the layout"
+            else f"start every machine with the same {what}"
+        )
     return (
         f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
         f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"
@@ -1107,18 +1070,17 @@ def disagreement(differ, job, me):
 
 
 def count_machines(records, args):
-    """Rank 0, once every rank has joined: each rank's machine index, machines numbered in the order of their first
-    rank, told apart by --machine-id (or the launcher's variable), or, under MPI, by host (machine_identity). Names a
-    machine whose script differs from machine 0's: a warning, as the flags, the model and torch agree (roll_call)."""
+    """Each rank's machine, by --machine-id (or a launcher's), else by host; warns where scripts differ."""
     key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
     named = {}  # one warning per machine
     for r in records:
         if r["script"] != records[0]["script"] and named.setdefault(machine_of[r["rank"]], r) is r:
             print(
-                f"warning: machine {machine_of[r['rank']]} ({r['host']}) runs another {os.path.basename(__file__)} "
-                f"than machine 0 ({records[0]['host']}): its flags, model and torch agree, so the job goes on; copy "
-                "one script to every machine to be sure they compute the same",
+                f"warning: machine {machine_of[r['rank']]} ({r['host']}) runs another "
+                f"{os.path.basename(__file__)} than machine 0 ({records[0]['host']}): its flags, model "
+                "and torch agree, so the job goes on; copy one script to every machine to be sure they "
+                "compute the same",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1126,43 +1088,39 @@ def count_machines(records, args):
 
 
 def unused_files(job, me, rank, args):
-    """Rank 0 reads and writes the job's files, as its own command says. Each other machine says once where its own
-    file flags differ: given there, unused."""
+    """Rank 0's command alone names the job's files: another machine warns once of its own, unused."""
     ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k)]
     if ignored and local_rank_of(rank, args) == 0 and args.machine_id != 0:
         print(
-            f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 reads "
-            "and writes the job's files, as machine 0's command says",
+            f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 "
+            "reads and writes the job's files, as machine 0's command says",
             file=sys.stderr,
             flush=True,
         )
 
 
-def follow_rank0_files(args):
-    """Every rank enters the collectives of the saves and the resume that rank 0's command asks for: rank 0 says
-    which files it writes over the group, never a path, and never through the store, which anyone may write."""
+def rank0_files(args):
+    """Which files rank 0 saves or resumes, for every rank to follow: over the group, not the open store."""
     said = [{k: bool(getattr(args, k)) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)
-    if dist.get_rank() != 0:
-        for k, v in said[0].items():
-            setattr(args, k, v)
+    return {} if dist.get_rank() == 0 else said[0]
 
 
-def twice(rank, first, second, args):
-    """The line for a rank claimed by two processes: a copied --machine-id, or a launcher's rank given twice."""
+def claimed_twice(rank, first, second, args):
+    """The line for a rank claimed twice: a copied --machine-id, or a launcher's rank given twice."""
     return (
-        f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid {first['pid']}) and "
-        f"from machine {second['machine']} on {second['host']} (pid {second['pid']}): give each machine its own "
-        f"--machine-id, 0 to {args.num_machines - 1}, and each process its own rank"
+        f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid "
+        f"{first['pid']}) and from machine {second['machine']} on {second['host']} (pid {second['pid']}): "
+        f"give each machine its own --machine-id, 0 to {args.num_machines - 1}, and each process its own rank"
     )
 
 
 def check_same_data(data, rank, args):
-    """Every machine trains on the same data, or every machine stops: a copy whose labels differ (older, damaged)
-    parses, and each rank would train on its shard of its own machine's copy. Each machine's local rank 0 hashes
-    the four files' tensors; a collective, before DDP."""
+    """All machines train on the same data, or all stop (a differing copy still parses). A collective."""
     digests = (
-        [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if local_rank_of(rank, args) == 0 else None
+        [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data]
+        if local_rank_of(rank, args) == 0
+        else None
     )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), digests))
@@ -1170,34 +1128,33 @@ def check_same_data(data, rank, args):
     for machine, host, theirs in (e for e in everyone if e[2] is not None and e[2] != everyone[0][2]):
         differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
         line = (
-            f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} {differ} "
-            f"differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every machine's --data-dir"
+            f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} "
+            f"{differ} differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every "
+            "machine's --data-dir"
         )
-        stop_job(None, rank, args, line)
+        abort_job(None, rank, args, line)
 
 
 @contextlib.contextmanager
-def stopped_with_the_job(rank, args, stderr=2):
-    """Around the backend's connecting of the group, where every process waits in C++ for every other (Gloo up to
-    5 x --timeout): a process that failed there leaves its line in the store (stop_job), and this one stops within a
-    second, saying it on stderr (the descriptor, where file descriptor 2 is held back), instead of waiting for a
-    process that is gone. The watch has a store client of its own: a client's calls wait for each other, and the
-    backend's set-up holds one in a blocking get."""
+def exit_on_abort(rank, args, stderr=2):
+    """Around a wait in C++ for every process (the backend's connecting): another's line in the store
+    (abort_job) stops this one within a second, through its own store client: the backend's may block."""
     done = threading.Event()
 
     def watch():
         with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
             store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                  timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # fmt: skip
+                                  timeout=timedelta(seconds=args.timeout),
+                                  wait_for_workers=False)  # fmt: skip
             if args.launcher == "torchrun":
                 store = dist.PrefixStore(torchrun_attempt(), store)
             while not done.wait(0.5):
                 if store.check(["abort"]):
                     line = store.get("abort").decode(errors="replace").strip()[:2000]
-                    time.sleep(1)  # if the store is this process's, the other processes may not have read it yet
-                    if local_rank_of(rank, args) != 0:  # one line per machine, as stop_job says it
+                    time.sleep(1)  # the store may be this process's: let the others read the line first
+                    if local_rank_of(rank, args) != 0:  # one line per machine, as abort_job says it
                         time.sleep(2)
-                    os.dup2(stderr, 2)
+                    os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
                     exit_at_once(line if local_rank_of(rank, args) == 0 else 1)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -1210,19 +1167,17 @@ def stopped_with_the_job(rank, args, stderr=2):
 
 
 def torchrun_attempt():
-    """The key prefix of this torchrun attempt: torchrun's store outlives a restart, which must not read the last
-    attempt's keys."""
+    """This torchrun attempt's key prefix: the store outlives a restart, which must not read old keys."""
     return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
 
 
-def stop_job(store, rank, args, line):
-    """Stop this process with line, said once per machine (by its local rank 0; the others wait for it to be said).
-    With store, every process of the job stops too, each machine saying the same line."""
+def abort_job(store, rank, args, line):
+    """Stop with line, said once per machine (by local rank 0); with store, every process of the job stops."""
     if store is not None:
-        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it on their own
+        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
             store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line before its store goes
+        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line first
     if local_rank_of(rank, args) != 0:
         time.sleep(2)
         sys.exit(1)
@@ -1234,45 +1189,47 @@ def local_rank_of(rank, args):
 
 
 def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 checks that it reaches every other machine on a port other than the rendezvous's,
-    as the backend must: behind a firewall open on the rendezvous port alone, the backend waits out the system's
-    connection retries, minutes whatever --timeout. A machine is reached where its backend listens: the address
-    choose_gloo_interface published (the CPU script), else its end of a connection to the rendezvous (if loopback,
-    where the others reached the rendezvous). One that takes no part within 10 s (another script) is let be."""
+    """Each machine's local rank 0 checks it reaches every other machine on a new port, as the backend must: a
+    firewall open on the rendezvous port alone would stall the backend for minutes, whatever --timeout."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, deadline = args.machine_id, time.monotonic() + 10
     others = [m for m in range(args.num_machines) if m != me]
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
+    # Reached where its backend listens: the address this machine published, if any, else its end of a
+    # connection to the rendezvous (for loopback, the rendezvous's address as the others reach it).
     if store.check([f"machine/{me}"]):
-        with contextlib.suppress(ValueError, TypeError, LookupError):  # none where interfaces cannot be listed
+        # None published where interfaces cannot be listed.
+        with contextlib.suppress(ValueError, TypeError, LookupError):
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
     family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # every address, IPv4 too
     with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            with stopped_with_the_job(rank, args):  # another machine's line stops this one
+            with exit_on_abort(rank, args):  # another machine's line stops this one
                 if not all_set(store, [f"probe/{m}" for m in others], deadline):
-                    return
+                    return  # a machine took no part within 10 s (another script): let be
                 for m in others:
                     value = store.get(f"probe/{m}")
                     address, at, host = value.decode().split() if len(value) < 300 else ()
                     address = far if is_loopback(address) else address
-                    socket.create_connection((address, port(at)), timeout=5).close()
+                    socket.create_connection((address, port_number(at)), timeout=5).close()
                 store.set(f"probed/{me}", "1")
-                all_set(store, [f"probed/{m}" for m in others], deadline)  # listening until the others have tried
+                # Listening until the others have tried.
+                all_set(store, [f"probed/{m}" for m in others], deadline)
         except dist.DistError:  # the store went: the backend will say why
             return
-        except (ValueError, argparse.ArgumentTypeError):  # port(): not in 1-65535
-            stop_job(store, rank, args, (
-                f"error: machine {m} published {value[:80]!r} for the reachability check, not its address, port "
-                "and host: run one copy of this script on every machine"))  # fmt: skip
+        except (ValueError, argparse.ArgumentTypeError):  # port_number(): not in 1-65535
+            abort_job(store, rank, args, (
+                f"error: machine {m} published {value[:80]!r} for the reachability check, not its address, "
+                "port and host: run one copy of this script on every machine"))  # fmt: skip
         except OSError as e:
-            stop_job(store, rank, args, (
-                f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at {address} port "
-                f"{at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP ports between the machines, "
-                f"or set {BACKEND.upper()}_SOCKET_IFNAME on each to the interface that reaches them"))  # fmt: skip
+            abort_job(store, rank, args, (
+                f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at "
+                f"{address} port {at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP "
+                f"ports between the machines, or set {BACKEND.upper()}_SOCKET_IFNAME on each to the "
+                "interface that reaches them"))  # fmt: skip
 
 
 def all_set(store, keys, deadline):
@@ -1283,11 +1240,25 @@ def all_set(store, keys, deadline):
     return False
 
 
-# ---- S3. Compression for slow links ---------------------------------------------------------------------------
+# ---- S3. --check, and compression for slow links -----------------------------------------------------------
 
 
-# --compress powersgd: the rank of the low-rank approximation, and the plain averages before it starts (DDP
-# reorders its buckets after the first step; torch's hook needs at least 2). Measured in bench/README.md.
+def check_group(world_size, device, args):
+    """--check: one all-reduce over the whole group, as every training step makes, then stop."""
+    total = torch.ones(1, device=device)
+    dist.all_reduce(total)  # every process adds its 1: each reached all the others
+    if total.item() != world_size:
+        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
+    print0(
+        f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} "
+        "reached each other"
+    )
+    if world_size > placement(args, 0)[2]:  # across machines: what the network will cost each step
+        print0(network_cost(device, args))
+
+
+# --compress powersgd: the approximation's rank, and the plain steps before it starts (DDP reorders its
+# buckets after the first step; torch's hook needs at least 2). Chosen in bench/README.md.
 POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
 
 
@@ -1295,32 +1266,28 @@ def compression_words(compress):
     return {
         "none": "",
         "bf16": ", sent as bfloat16",
-        "powersgd": f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps",
+        "powersgd": (
+            f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
+        ),
     }[compress]
 
 
 def compress_gradients(ddp_model, compress):
-    """--compress: register torch's hook that compresses each bucket before it travels. Returns PowerSGD's state,
-    which the checkpoint keeps, else None. PowerSGD's hook starts a bucket's later all-reduces (P, then Q) from
-    callbacks of its earlier ones, on Gloo's thread: with two buckets in flight, ranks can issue them in different
-    orders, and Gloo matches collectives by order only ("Received data size doesn't match expected size", then a
-    C++ terminate). So PowerSGD gets the whole model in one bucket (bucket_cap_mb=25 where DDP is made)."""
+    """--compress: register torch's compressing hook; returns PowerSGD's state (checkpointed), else None."""
     if compress == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if compress != "powersgd":
         return None
+    # One bucket (bucket_cap_mb where DDP is made): the hook issues later all-reduces from earlier ones'
+    # callbacks, so two buckets could reach the ranks in different orders, and collectives match by order.
     powersgd = PowerSGD(ddp_model.module)
     ddp_model.register_comm_hook(powersgd, PowerSGD.hook)
     return powersgd
 
 
 class PowerSGD:
-    """torch's PowerSGD hook, with a state a checkpoint can hold. The state that matters is each rank's error
-    feedback (what compression left out, added to the next gradient), the warm-started Q factors (equal on every
-    rank) and the step count; P is overwritten before use, and the seed generator serves only where there is no Q
-    yet. torch keeps error and Q as flat tensors in the bucket's order of parameters, and DDP reorders the bucket
-    after the first step of every run, a resumed one too: so they are saved per parameter, and laid out again
-    whenever the order changes. One bucket, index 0 (compress_gradients says why)."""
+    """torch's PowerSGD hook (one bucket, index 0), with a checkpointable state: error feedback, Q and the
+    step count, saved per parameter, as DDP reorders the bucket after a run's first step."""
 
     def __init__(self, model):
         self.state = powerSGD_hook.PowerSGDState(
@@ -1341,8 +1308,8 @@ class PowerSGD:
         return powerSGD_hook.powerSGD_hook(self.state, bucket)
 
     def slices(self, order):
-        """Where each parameter's error and Q lie in torch's flat tensors, for the bucket in this order (torch's
-        rule: the matrices worth compressing, grouped by shape); and the length of P."""
+        """Where each parameter's error and Q lie in torch's flat tensors for the bucket in this order (torch
+        groups the matrices worth compressing by shape); and P's length."""
         error, groups, offset, p_length = {}, {}, 0, 0
         for name in order:
             numel = self.shapes[name].numel()
@@ -1360,8 +1327,7 @@ class PowerSGD:
         return error, q, p_length
 
     def per_parameter(self):
-        """(this rank's error, Q), each {parameter name: tensor} (copies: a view would save the whole tensor);
-        empty before compression starts."""
+        """(this rank's error, Q) as {name: tensor} copies (a view saves the whole tensor); empty at first."""
         if 0 not in self.state.q_memory_dict:
             return {}, {}
         error, q, _ = self.slices(self.order)
@@ -1390,7 +1356,8 @@ class PowerSGD:
         if not saved or len(saved["errors"]) != dist.get_world_size():
             if saved:
                 print0(
-                    f"{args.checkpoint} holds PowerSGD's state for {len(saved['errors'])} processes: it starts afresh"
+                    f"{args.checkpoint} holds PowerSGD's state for {len(saved['errors'])} processes: it "
+                    "starts afresh"
                 )
             return
         self.state.iter = saved["iter"]
@@ -1398,14 +1365,13 @@ class PowerSGD:
 
 
 def network_cost(device, args):
-    """--check across machines: time an average of the gradients' real size, and a step of --batch-size
-    here (the slowest rank's); name --compress powersgd where the network would dominate a step."""
+    """--check across machines: time a gradient average and a step; suggest PowerSGD where it dominates."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
     gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
     images = torch.randn(args.batch_size, 1, 28, 28, device=device)
     labels = torch.zeros(args.batch_size, dtype=torch.long, device=device)
 
-    def timed(work, times=4):  # the first time warms up (connections, allocations); the median of the rest
+    def timed(work, times=4):  # the median, after one warm-up (connections, allocations)
         seconds = []
         for _ in range(times):
             start = time.perf_counter()
@@ -1429,11 +1395,55 @@ def network_cost(device, args):
         f"a step of {args.batch_size} images ~{compute} ms of computing"
     )
     if network > compute / 2 and args.compress != "powersgd":
-        return f"{line}: the network adds ~{network} ms to each ~{compute} ms step: consider --compress powersgd"
+        return (
+            f"{line}: the network adds ~{network} ms to each ~{compute} ms step: consider --compress powersgd"
+        )
     return line
 
 
-# ---- S4. Files: whole or not at all ---------------------------------------------------------------------------
+# ---- S4. Files: whole or not at all ------------------------------------------------------------------------
+
+
+def raw_folder(args):
+    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
+def resume(model, optimizer, args, compression=None):
+    """Load --checkpoint into model, optimizer and PowerSGD's state; returns the epoch to start from. Rank 0
+    reads the file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
+    state, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            state = read_checkpoint(args)
+        except ValueError as e:
+            error = str(e)
+    sent = [(state, error)]
+    dist.broadcast_object_list(sent, src=0)
+    state, error = sent[0]
+    if state is not None and error is None:
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if compression:
+                compression.load_state_dict(state.get("compression"), args)
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
+    if error is not None:
+        sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
+    if state is None:
+        print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
+        return 0
+    print0(
+        f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}"
+    )
+    # load_state_dict restored the checkpoint's learning rate: --lr wins, as every flag of a resumed run does.
+    saved_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
+    return state["epoch"] + 1
 
 
 def prepare_data(args):
@@ -1450,8 +1460,7 @@ def prepare_data(args):
 
 
 def unpack(path):
-    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
-    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
+    """Unpack path.gz via a unique temporary file (--data-dir may be shared), renamed to path once whole."""
     part = None
     try:
         fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
@@ -1459,7 +1468,7 @@ def unpack(path):
             shutil.copyfileobj(src, dst)
         os.chmod(part, plain_file_mode(path))
         os.replace(part, path)
-    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
+    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file goes
         if part and os.path.exists(part):
             os.unlink(part)
         if not isinstance(e, Exception):
@@ -1468,8 +1477,7 @@ def unpack(path):
 
 
 def download(args, names):
-    """Download the data set into a folder of this process's own, then rename each file into place: machines
-    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    """Download to a private folder, then rename into place: a shared --data-dir never holds partial files."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
@@ -1496,7 +1504,9 @@ def read_checkpoint(args):
     try:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
+        raise ValueError(
+            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
+        ) from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
     if state["dataset"] != args.dataset:
@@ -1504,9 +1514,8 @@ def read_checkpoint(args):
     return state
 
 
-def save0(path, write):
-    """Rank 0 writes path whole, or not at all (write_atomically); where it cannot, every rank stops, rank 0 with
-    the one line that says why."""
+def save_on_rank0(path, write):
+    """Rank 0 writes path whole or not at all; where it cannot, every rank stops, rank 0 saying why."""
     rank = dist.get_rank()
     error = [write_atomically(path, write) if rank == 0 else None]
     dist.broadcast_object_list(error, src=0)
@@ -1515,28 +1524,25 @@ def save0(path, write):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
-    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
-    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
-    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
-    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
-    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
+    """Write path whole or not at all, with the mode open() would give; returns None, or the line saying why
+    not (a full disk, a quota), the old file left whole."""
     buffer, temporary = io.BytesIO(), None
-    write(buffer)
+    write(buffer)  # into memory first, so that a full disk raises its own error
     try:
         fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temporary, plain_file_mode(path))
+        os.chmod(temporary, plain_file_mode(path))  # not mkstemp's 0600: others may read checkpoints
         os.replace(temporary, path)
         temporary = None
-        sync_folder(os.path.dirname(os.path.abspath(path)))
+        sync_folder(os.path.dirname(os.path.abspath(path)))  # so that the rename survives a power cut
     except OSError as e:
         cause = e.strerror or str(e)
         return (
-            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
+            f"error: cannot write {path} ({cause}); what was there before is unchanged: "
+            "free space, or write elsewhere"
         )
     finally:
         if temporary is not None:
@@ -1556,7 +1562,7 @@ def plain_file_mode(path):
 
 
 def sync_folder(folder):
-    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
+    """Flush a folder's entries to disk, where a rename is recorded; not on Windows, which opens no folder."""
     if os.name != "posix":
         return
     with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
@@ -1568,7 +1574,7 @@ def sync_folder(folder):
 
 
 def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
+    """What tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
     try:
         found = os.stat(path)
     except (OSError, TypeError):
@@ -1577,7 +1583,7 @@ def file_version(path):
 
 
 def checkpoint_note(path, before):
-    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
+    """What an interrupted run's line says of --checkpoint, comparing it with its version at launch."""
     if path is None:
         return ""
     now = file_version(path)
@@ -1588,17 +1594,15 @@ def checkpoint_note(path, before):
     return f"; {path} holds the last complete epoch"
 
 
-# ---- S5. Room in /dev/shm -------------------------------------------------------------------------------------
+# ---- S5. Room in /dev/shm ----------------------------------------------------------------------------------
 
 
 def share_data(data, gradients=0):
-    """Whether the launcher hands the data to its workers through /dev/shm, with room left for the gradient areas
-    (bytes) first; else each worker loads its own copy. Prints why where /dev/shm falls short."""
+    """Whether the data reaches the workers through /dev/shm (after room for the gradients); say why not."""
     size = sum(t.untyped_storage().nbytes() for t in data)
     data_fits, _, shortfall = shared_memory_plan(size, gradients)
     if data_fits and data:
-        # Moved there now, not as the workers start: torch reserves the room (posix_fallocate), so that where another
-        # job took it since the check, that is an error here, not a SIGBUS in a worker touching a page of it.
+        # Moved now: torch reserves the room (posix_fallocate), so a shortfall is an error here, not a SIGBUS.
         try:
             for t in data:
                 t.share_memory_()
@@ -1606,43 +1610,48 @@ def share_data(data, gradients=0):
             for t in data:
                 if t.is_shared():
                     t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
-            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, and left there
+            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, left there
                 with contextlib.suppress(OSError):
                     os.unlink("/dev/shm" + name)
             data_fits = False
-            shortfall = shortfall_line([(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")])
+            shortfall = shortfall_line(
+                [(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")]
+            )
     if shortfall:
         print(shortfall, flush=True)
     return data_fits
 
 
 def shared_memory_plan(data=0, gradients=0):
-    """(data fits, gradients fit, None or the line saying what does not fit and the fix) for /dev/shm, a tmpfs of
-    fixed size (64 MiB in a Docker or Kubernetes container by default): a process that touches a page of it beyond
-    that dies of SIGBUS. The gradient average goes first, as it speeds every step. Where there is no /dev/shm
-    (macOS, Windows) the system's shared memory has no such cap."""
+    """(data fits, gradients fit, None or the line saying what does not) for /dev/shm, a fixed-size tmpfs
+    (64 MiB in containers by default; beyond, SIGBUS). Gradients first: they speed every step."""
     try:
         stats = os.statvfs("/dev/shm")
     except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows)
         return True, True, None
-    free, slack = stats.f_bavail * stats.f_frsize, 1 << 20  # slack: page rounding, and the small files of others
+    free, slack = stats.f_bavail * stats.f_frsize, 1 << 20  # slack: page rounding, others' small files
     gradients_fit = gradients + slack <= free
     data_fits = data + (gradients if gradients_fit else 0) + slack <= free
-    left_out = [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
+    left_out = (
+        [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
+    )
     if not gradients_fit:
-        left_out.append((f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo"))
+        left_out.append(
+            (f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo")
+        )
     return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
 
 
 def shortfall_line(left_out, free=None):
-    """The line saying what /dev/shm has too little room for, what happens instead ([(what, instead)]), and the
-    fix; free: its free bytes, else as it has them now."""
+    """The line saying what /dev/shm lacks room for, what happens instead ([(what, instead)]), and the fix."""
     if free is None:
         with contextlib.suppress(OSError, AttributeError):
             stats = os.statvfs("/dev/shm")
             free = stats.f_bavail * stats.f_frsize
     room = (
-        "shared memory has too little room" if free is None else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
+        "shared memory has too little room"
+        if free is None
+        else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
     )
     return (
         f"{room} for {' and '.join(what for what, _ in left_out)}: "
@@ -1651,7 +1660,7 @@ def shortfall_line(left_out, free=None):
     )
 
 
-# ---- S6. Processes, signals and exit --------------------------------------------------------------------------
+# ---- S6. Processes, signals and exit -----------------------------------------------------------------------
 
 
 def run_workers(args, data, nprocs, listener):
@@ -1660,12 +1669,12 @@ def run_workers(args, data, nprocs, listener):
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         if start_method() == "spawn" and os.name == "posix":
-            resource_tracker.ensure_running()  # spawn starts it, and it lets held signals through as it starts
+            resource_tracker.ensure_running()  # spawn starts it, letting held signals through as it starts
         given = data_for_workers(data, args)
-        with stop_signals_held() as held:
+        with hold_signals() as signal_state:
             context = mp.start_processes(
                 spawned_worker,
-                args=(args, given, listener, held),
+                args=(args, given, listener, signal_state),
                 nprocs=nprocs,
                 join=False,
                 start_method=start_method(),
@@ -1679,24 +1688,24 @@ def run_workers(args, data, nprocs, listener):
             raise Terminated from None
         # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
-        rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid  # older torch: .pid
+        rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
         sys.exit(
             1
             if e.exit_code == 1
             else f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         )
     finally:
-        stop_workers(mp.active_children())  # every worker started, even when a failure came as they started
+        end_workers(mp.active_children())  # every worker started, even when a failure came as they started
         if listener is not None:  # held until now: the port's holder, as a user sees it, is this launch
             listener.close()
 
 
-def spawned_worker(local_rank, args, data, listener, held):
-    mask, ctrl_c = held
-    stop_on_signals(ctrl_c)
-    stop_with_launcher()
+def spawned_worker(local_rank, args, data, listener, signal_state):
+    mask, ctrl_c = signal_state
+    raise_on_signals(ctrl_c)
+    exit_with_launcher()
     try:
-        let_stop_signals_through(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
+        release_signals(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
         worker(local_rank, args, data, listener)
     except KeyboardInterrupt:
         exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
@@ -1707,21 +1716,19 @@ def spawned_worker(local_rank, args, data, listener, held):
     except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
         traceback.print_exc()
         exit_at_once(1)
-    exit_at_once()  # a spawned worker would tear its interpreter down, and free its Gloo group (see exit_at_once)
+    exit_at_once()  # not spawn's return, which tears the interpreter down (see exit_at_once)
 
 
 @contextlib.contextmanager
-def stop_cleanly(args):
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated wherever this process is (stop_on_signals), so
-    that every clean-up runs; once every process of this launch has stopped, one line per machine says what was kept,
-    and the exit status is a shell's: 128 + the signal's number."""
+def exit_on_signal(args):
+    """Ctrl-C or SIGTERM runs every clean-up; one line per machine says what was kept; exits 128 + signal."""
     before = file_version(args.checkpoint)  # whether this launch replaced it
-    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
         yield
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        # The file exists on machine 0 (and may be a shared folder's elsewhere): only machine 0 tells what it holds.
+        # Only machine 0 tells what the file holds: elsewhere it may be another (a shared folder's) or none.
         checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
         if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
             print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
@@ -1729,18 +1736,16 @@ def stop_cleanly(args):
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, timeout, docker stop, Kubernetes, SLURM's scancel, torchrun), raised where the process
-    is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
+    """SIGTERM (kill, docker stop, scancel, torchrun), raised as Ctrl-C raises KeyboardInterrupt."""
 
 
-def stop_on_signals(ctrl_c):
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated, wherever the process is, so that the same
-    clean-up runs. The first only: a second (a worker's own Ctrl-C, then its launcher's SIGTERM) is ignored, for
-    it must not cut the clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+def raise_on_signals(ctrl_c):
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated, the first only: a second must not cut the
+    clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
     stopping = []
 
     def stop(signum, frame):
-        # Not in one already leaving (its error line on the way out): raised there, it would print a traceback.
+        # Not in a process already leaving with its error line: raised there, it would print a traceback.
         if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             stopping.append(signum)
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
@@ -1750,11 +1755,9 @@ def stop_on_signals(ctrl_c):
 
 
 @contextlib.contextmanager
-def stop_signals_held():
-    """Ctrl-C and SIGTERM wait while the workers start, then act. Raised inside fork's own bookkeeping, a stop is
-    printed as a traceback and then lost, and a worker is forked with the launcher's handlers, not its own. So
-    the launcher notes them meanwhile and acts after; each worker starts with them held back by the kernel (the
-    signal mask it inherits) until its own handlers are set. Yields what a worker needs to set them."""
+def hold_signals():
+    """Ctrl-C and SIGTERM wait while the workers start (raised in fork's bookkeeping, a stop is lost), then
+    act; workers inherit them blocked until their handlers are set. Yields (mask, ctrl_c)."""
     noted, stops = [], (signal.SIGINT, signal.SIGTERM)
     handlers = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in stops}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops) if hasattr(signal, "pthread_sigmask") else None
@@ -1763,29 +1766,26 @@ def stop_signals_held():
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        let_stop_signals_through(mask)
+        release_signals(mask)
         if noted:
             signal.raise_signal(noted[0])
 
 
-def let_stop_signals_through(mask):
-    if mask is not None:  # None: no signal masks (Windows), where every worker is spawned with its own handlers
+def release_signals(mask):
+    if mask is not None:  # None: no signal masks (Windows), where workers are spawned with own handlers
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def stop_with_launcher():
-    """A worker stops when its launcher is gone (SIGKILL, out of memory), never training on as an orphan. torch's
-    spawn asks Linux for a SIGINT then (PR_SET_PDEATHSIG), which a process started with SIGINT ignored (a
-    background job, nohup) never sees, and other systems never send: a thread watching the parent works everywhere.
-    Linux and macOS give an orphan another parent; Windows never does, but there the launcher's handle (the
-    sentinel multiprocessing keeps) says it ended."""
+def exit_with_launcher():
+    """A worker stops when its launcher is gone (SIGKILL, out of memory). A thread watches: spawn's SIGINT on
+    the parent's death (PR_SET_PDEATHSIG) is Linux-only, and lost where SIGINT is ignored (nohup)."""
     launcher = mp.parent_process()
 
     def watch():
+        # An orphan gets a new parent (Linux, macOS); on Windows, the launcher's handle says it ended.
         while os.getppid() == launcher.pid and launcher.is_alive():
             time.sleep(0.5)
-        # The usual clean stop (the Terminated exception), raised in the main thread as SIGTERM would be: os.kill
-        # would end a Windows process outright.
+        # Terminated, raised in the main thread as SIGTERM would be (os.kill would end a Windows process).
         _thread.interrupt_main(signal.SIGTERM)
         time.sleep(10)
         os._exit(143)  # still here: stuck in a call that never returns to Python
@@ -1793,9 +1793,8 @@ def stop_with_launcher():
     threading.Thread(target=watch, daemon=True).start()
 
 
-def stop_workers(processes):
-    """No worker outlives its launcher: SIGTERM to each still running, SIGKILL to those left after 10 s. A second
-    Ctrl-C or SIGTERM meanwhile is ignored, so that it cannot cut this short."""
+def end_workers(processes):
+    """No worker outlives its launcher: SIGTERM, then SIGKILL after 10 s; further stops ignored meanwhile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in processes:
@@ -1809,25 +1808,24 @@ def stop_workers(processes):
             process.join()
 
 
-def leave_group():
-    """destroy_process_group(), the group's memory left to the process's exit: on torch 2.4, freeing a Gloo group
-    can deadlock in its destructor, joining a thread that waits for a lock (a run that printed its last line,
-    and never exits). Every process then ends in os._exit (exit_at_once), which frees nothing."""
-    GROUPS_LEFT.append(dist.group.WORLD)
-    dist.destroy_process_group()
+def exit_if_contact_lost(error, rank, args):
+    """A lost peer raises a DistError, or a RuntimeError naming the backend (DDP, in backward())."""
+    if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
+        if local_rank_of(rank, args) != 0:  # one line a machine: local rank 0 speaks; its launcher stops us
+            time.sleep(2)
+        sys.exit(
+            f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
+            f"or did not answer within --timeout {args.timeout:g} s"
+        )
 
 
-GROUPS_LEFT = []
+GROUPS_KEPT = []
 
 
 def exit_at_once(status=0):
-    """Leave without tearing the interpreter down, as sys.exit(status) would end (a message goes to stderr, and
-    exits 1). Tearing down pages torch's libraries back in (the CUDA build's above all) only to unload them, for
-    about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
-    ("terminate called without an active exception") as the interpreter goes."""
-    with contextlib.suppress(
-        ValueError
-    ):  # a stop now would only cut the exit short (main thread only: else ValueError)
+    """Exit as sys.exit(status) would, without tearing the interpreter down: that is slow (torch's libraries
+    are paged back in to unload) and frees the group worker() kept, whose threads can abort the process."""
+    with contextlib.suppress(ValueError):  # a stop now would cut the exit short (ValueError: not main thread)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
@@ -1835,32 +1833,47 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
-    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
+    # os._exit drops what C code holds in stdio's buffers (a C library's log file would lose its last block):
+    # fflush(NULL) flushes every C stream. Not on Windows, which has no CDLL(None).
     if os.name == "posix":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
 
 
-# ---- S7. Memory, speed-ups and the run's figures --------------------------------------------------------------
+# ---- S7. Memory, speed-ups and the run's figures -----------------------------------------------------------
+
+
+def print0(message):
+    """Print on rank 0 only: one log for the whole job, not one per process."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def report(metrics, args):
+    """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
+    print0(
+        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
+        f"launch to end {metrics['total_seconds']:.2f} s"
+    )
+    if args.metrics_json:
+        save_on_rank0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
+    print0(f"Finished training in {metrics['train_seconds']:.2f} secs")
 
 
 def keep_freed_memory():
-    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
-    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
-    jemalloc or tcmalloc do the same)."""
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, so every step
+    would map its activations afresh and fault their pages in again."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return  # not glibc: its allocator keeps its own counsel
+        return  # not glibc
     libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
     libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
 
 
 def release_freed_memory():
-    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
-    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    """Return the blocks kept for training steps to the system (malloc_trim(3)) after each evaluation."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -1868,11 +1881,8 @@ def release_freed_memory():
 
 
 def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
-    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
-    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
-    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
-    output."""
+    """Hand max-pool's backward a channels-last gradient (flatten's is NCHW): else it converts its whole 24x24
+    gradient to NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
 
     def on_pooled(module, inputs):
         pooled = inputs[0]
@@ -1883,9 +1893,13 @@ def keep_pool_gradient_channels_last(model):
 
 
 def layout_line(world_size, args, allreduce):
-    """Rank 0's first line: the job as it formed, so that nobody trains alone, or on another layout, unawares."""
+    """Rank 0's first line: the job as it formed, so nobody trains alone or on another layout unawares."""
     sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
-    each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else f"({' + '.join(map(str, sizes))} processes)"
+    each = (
+        f"x {plural(sizes[0], 'process')}"
+        if len(set(sizes)) == 1
+        else f"({' + '.join(map(str, sizes))} processes)"
+    )
     averaging = averaging_words(allreduce, args)
     return (
         f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
@@ -1898,7 +1912,7 @@ def layout_line(world_size, args, allreduce):
 
 
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory is in."""
+    """The run's figures, for its last lines and --metrics-json. A collective (every rank's peak memory)."""
     test_loss, test_accuracy, test_count = test
     return {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
@@ -1914,7 +1928,7 @@ def run_figures(args, device, world_size, history, train_seconds, samples, test,
 
 
 def peak_memory_per_rank(device):
-    """Every rank's peak_memory_mib(), on every rank: a collective, which every rank must reach."""
+    """Every rank's peak_memory_mib(), on every rank: a collective."""
     peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
     mine = torch.tensor([-1.0 if peak is None else peak], dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -1923,7 +1937,7 @@ def peak_memory_per_rank(device):
 
 
 def peak_memory_mib():
-    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    """This process's peak resident set so far, in MiB (getrusage(2)); None on Windows."""
     try:
         import resource  # Unix only
     except ImportError:
@@ -1932,17 +1946,17 @@ def peak_memory_mib():
     return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
 
 
-# ---- S8. Command-line values and words ------------------------------------------------------------------------
+# ---- S8. Command-line values and words ---------------------------------------------------------------------
 
 
 def complete_args(parser, args):
-    """Fill in what the flags leave open (fill_layout: the launcher's layout, else one process), and check what
-    parse_args cannot check alone."""
+    """Fill in what the flags leave open (fill_layout), and check what parse_args cannot check alone."""
     fill_layout(parser, args)
     if not 0 <= args.machine_id < args.num_machines:
-        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}")
-    # Rank 0 writes the job's files, as its own command says (roll_call): only its machine needs the flags, and a
-    # folder to write to; another machine's are not used.
+        parser.error(
+            f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}"
+        )
+    # Rank 0's command alone names the job's files (roll_call): only its machine checks them.
     if (args.rank == 0) if args.rank is not None else args.machine_id == 0:
         if args.resume and not args.checkpoint:
             parser.error("--resume needs --checkpoint PATH")
@@ -1958,8 +1972,8 @@ def complete_args(parser, args):
             args.threads, args.threads_from = default_threads(placement(args, 0)[2])
         except (ValueError, argparse.ArgumentTypeError):
             parser.error(
-                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
-                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of "
+                "threads (1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
             )
     # Processes on each machine: the flags say so; under a launcher the roll call counts them.
     args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
@@ -1992,7 +2006,7 @@ def host(text):
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
 
 
-def port(text):
+def port_number(text):
     value = int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
@@ -2000,8 +2014,7 @@ def port(text):
 
 
 def default_threads(processes_per_machine):
-    """Intra-op threads per process and what capped them: OMP_NUM_THREADS where set, else the usable cores shared
-    out, so that N processes do not each start one thread per core (N-fold oversubscription)."""
+    """Intra-op threads per process and what capped them: OMP_NUM_THREADS, else usable cores shared out."""
     if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
         return positive_int(getenv("OMP_NUM_THREADS").split(",")[0]), ""
     cores, capped_by = usable_cores()
@@ -2009,9 +2022,8 @@ def default_threads(processes_per_machine):
 
 
 def usable_cores():
-    """The cores this process may use, and what capped them ("" where nothing did): the cores it may run on
-    (os.sched_getaffinity is Linux-only: elsewhere every core), a cgroup's CPU quota (the process still sees every
-    core), SLURM_CPUS_PER_TASK (under SLURM's task/none nothing pins a task to the cores it was given)."""
+    """The cores this process may use, and what capped them ("" where nothing did): its affinity (Linux), a
+    cgroup's CPU quota, or SLURM_CPUS_PER_TASK (which SLURM's task/none does not enforce)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -2020,25 +2032,27 @@ def usable_cores():
 
 
 def cgroup_cpus():
-    """The cores a CPU quota gives this process (Docker's --cpus, a Kubernetes CPU limit), rounded up: the tightest
-    of its cgroup's and those above it (a container may see its own cgroup as the root), from cgroup v2's cpu.max
-    ("max 100000", or "150000 100000" for 1.5 cores) or v1's cpu.cfs_quota_us (-1: none) over cpu.cfs_period_us."""
+    """Cores a CPU quota gives (docker --cpus, a Kubernetes limit), rounded up: the tightest up the tree."""
     hierarchies, quotas = [], []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
         hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
     for _, controllers, path in hierarchies:
         v1 = "cpu" in controllers.split(",")
-        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then each above it
+        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then those above
             folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-            files = [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"] if v1 else [f"{folder}/cpu.max"] * 2
+            files = (
+                [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"]
+                if v1
+                else [f"{folder}/cpu.max"] * 2
+            )
             with contextlib.suppress(OSError, ValueError), open(files[0]) as quota, open(files[1]) as period:
-                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))  # rounded up
+                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))
+
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
-    to torchrun and most launchers."""
+    """An environment variable, or default where unset or empty (`VAR=` means unset, as to most launchers)."""
     return os.environ.get(name) or default
 
 
@@ -2049,13 +2063,13 @@ def plural(n, word):
 def last_line(error):
     """The gist of a distributed error: its last non-empty line, without the C++ source location."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/pair.h:311], where in C++ it was raised
+    gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/file.cpp:311]: where in C++ it was raised
     return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
 
 
-# ===============================================================================================================
+# ============================================================================================================
 # End of the shared block.
-# ===============================================================================================================
+# ============================================================================================================
 
 
 if __name__ == "__main__":
@@ -2063,7 +2077,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+    except Exception:  # a bug: its traceback says where, then the same quick exit (exit_at_once)
         traceback.print_exc()
         exit_at_once(1)
     exit_at_once()

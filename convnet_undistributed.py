@@ -26,15 +26,11 @@ LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.optim as optim
 from torchvision import datasets
 
-# ---- 1. Constants -------------------------------------------------------------------------------------------
-
+# ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
-# Test images per forward pass: on a CPU a small batch keeps its activations in cache, and evaluation
-# stays below training in memory.
-TEST_BATCH_SIZE = 128
+TEST_BATCH_SIZE = 128  # small: on a CPU its activations stay in cache
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
@@ -42,9 +38,7 @@ DATASETS = {
 }
 
 
-# ---- 2. The model -------------------------------------------------------------------------------------------
-
-
+# ---- 2. The model
 class ConvNet(nn.Module):
     """Two 3x3 convolutions, max-pool, two linear layers; log-probabilities of 10 classes."""
 
@@ -68,27 +62,7 @@ class ConvNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# ---- 3. Data ------------------------------------------------------------------------------------------------
-
-
-def unpack(path):
-    """Unpack path.gz into path; a half-unpacked file never takes the real name. The temporary name is unique
-    (mkstemp): launches that share --data-dir may unpack at once, and in containers each may be PID 1."""
-    part = None
-    try:
-        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
-        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
-            shutil.copyfileobj(src, dst)
-        os.chmod(part, plain_file_mode(path))
-        os.replace(part, path)
-    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file (47 MB) goes
-        if part and os.path.exists(part):
-            os.unlink(part)
-        if not isinstance(e, Exception):
-            raise  # a stop, not a damaged file: the run stops as it would anywhere else
-        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
-
-
+# ---- 3. Data
 def prepare_data(args):
     """Make the four files readable: unpack .gz files placed by hand, else download them."""
     folder = raw_folder(args)
@@ -102,9 +76,26 @@ def prepare_data(args):
     download(args, names)
 
 
+def unpack(path):
+    """Unpack path.gz through a unique temporary name (runs may share --data-dir), renamed in place whole."""
+    part = None
+    try:
+        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
+        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
+            shutil.copyfileobj(src, dst)
+        os.chmod(part, plain_file_mode(path))
+        os.replace(part, path)
+    except BaseException as e:  # a stop too: the half-unpacked file goes
+        if part and os.path.exists(part):
+            os.unlink(part)
+        if not isinstance(e, Exception):
+            raise
+        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
+
+
 def download(args, names):
-    """Download the data set into a folder of this process's own, then rename each file into place: machines
-    that share --data-dir (NFS) and download at once never see a half-written file under its real name."""
+    """Download into a folder of this run's own, then rename each file into place: runs that share --data-dir
+    (NFS) never see a half-written file under its real name."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
@@ -149,53 +140,52 @@ def to_input(images, dataset):
 
 
 def epoch_batches(num_samples, epoch, batch_size, seed):
-    """The batches of an epoch, as index tensors, in a new order each epoch: the order a
-    DistributedSampler of one process draws, so both scripts see the same batches."""
+    """An epoch's batches of indices, in a new order each epoch: those a DistributedSampler of one process
+    draws, so that this script and the distributed ones see the same batches."""
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
     return order.split(batch_size)
 
 
-# ---- 4. Train and evaluate ----------------------------------------------------------------------------------
-
-
+# ---- 4. Train and evaluate
 def train(model, optimizer, data, args):
-    """The epochs: train, evaluate on the whole test set, checkpoint; then the metrics."""
-    device = next(model.parameters()).device
-    train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
+    """The epochs: train, evaluate on the whole test set, checkpoint; then the run's figures."""
+    train_images, train_labels, test_images, test_labels = data
     start_epoch = resume(model, optimizer, args) if args.resume else 0
-    threads = plural(torch.get_num_threads(), "thread") + (f", from {args.threads_from}" if args.threads_from else "")
+    threads = plural(args.threads, "thread") + (args.threads_from and f", from {args.threads_from}")
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging", flush=True)
     train_seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
-        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken run
+        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken one
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
         start = time.perf_counter()
         train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args)
         train_seconds += time.perf_counter() - start
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
+        loss, accuracy, count = evaluate(model, test_images, test_labels, args)
         release_freed_memory()
-        accuracy = f"{round(test_accuracy * test_count)}/{test_count} ({100 * test_accuracy:.2f}%)"
-        print(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
+        correct = f"{round(accuracy * count)}/{count} ({100 * accuracy:.2f}%)"
+        print(f"Test set, epoch {epoch}: average loss {loss:.4f}, accuracy {correct}")
         history.append(
-            {"epoch": epoch, "train_loss": train_loss.item(), "test_loss": test_loss, "test_accuracy": test_accuracy}
+            {"epoch": epoch, "train_loss": train_loss.item(), "test_loss": loss, "test_accuracy": accuracy}
         )
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
         print(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
-        test_loss, test_accuracy, test_count = evaluate(model, test_images, test_labels, args)
-    metrics = {
-        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
-        "world_size": 1, "epochs": args.epochs, "epochs_trained": len(history),
-        "batch_size": args.batch_size, "global_batch_size": args.batch_size,
-        "threads": torch.get_num_threads(), "amp": args.amp,
-        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
-        "samples_per_second": len(history) * len(train_labels) / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "peak_rss_mib": peak_memory_mib(), "history": history,
-    }  # fmt: skip
-    report(metrics, args)
+        loss, accuracy, count = evaluate(model, test_images, test_labels, args)
+    speed = len(history) * len(train_labels) / train_seconds if train_seconds else None
+    total = time.time() - LAUNCH_TIME
+    print(f"Train loop {train_seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
+    metrics = dict(script=os.path.basename(__file__), dataset=args.dataset, device="cpu", world_size=1)
+    metrics.update(epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size, amp=args.amp)
+    metrics.update(global_batch_size=args.batch_size, threads=args.threads, train_seconds=train_seconds)
+    metrics.update(total_seconds=total, samples_per_second=speed, test_loss=loss, test_accuracy=accuracy)
+    metrics.update(final_train_loss=history[-1]["train_loss"] if history else None, test_samples=count)
+    metrics.update(peak_rss_mib=peak_memory_mib(), history=history)
+    if args.metrics_json:
+        json_bytes = json.dumps(metrics, indent=2).encode() + b"\n"
+        if error := write_atomically(args.metrics_json, lambda f: f.write(json_bytes)):
+            sys.exit(error)
+    print(f"Finished training in {train_seconds:.2f} secs")
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
@@ -217,7 +207,7 @@ def train_epoch(model, optimizer, images, labels, batches, epoch, args):
 
 
 def evaluate(model, images, labels, args):
-    """Loss and accuracy over the whole test set."""
+    """Loss, accuracy and image count over the whole test set."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
     with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
@@ -234,79 +224,6 @@ def plural(n, word):
     return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
 
 
-# ---- 5. Checkpoint and metrics ------------------------------------------------------------------------------
-
-
-def save_checkpoint(model, optimizer, epoch, args):
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "epoch": epoch,
-        "dataset": args.dataset,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-    }
-    save_atomically(args.checkpoint, lambda f: torch.save(state, f))
-
-
-def save_atomically(path, write):
-    """Write path whole, or stop with one line saying why (write_atomically): the file there before stays whole."""
-    error = write_atomically(path, write)
-    if error:
-        sys.exit(error)
-
-
-def resume(model, optimizer, args):
-    """Load --checkpoint into model and optimizer; returns the epoch to start from."""
-    try:
-        state = read_checkpoint(args)
-        if state is not None:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, KeyError) as e:
-        sys.exit(f"error: --resume: {args.checkpoint} does not fit this model ({' '.join(str(e).split())})")
-    except ValueError as e:
-        sys.exit(f"error: --resume: {e}")
-    if state is None:
-        print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
-        return 0
-    print(f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}")
-    # load_state_dict restored the checkpoint's learning rate, while the run's args (saved in the next checkpoint)
-    # say --lr: --lr wins, as every other flag of a resumed run does.
-    saved_lr = optimizer.param_groups[0]["lr"]
-    for group in optimizer.param_groups:
-        group["lr"] = args.lr
-    if saved_lr != args.lr:
-        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
-    return state["epoch"] + 1
-
-
-def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
-        return None
-    try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint") from e
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
-    if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
-    return state
-
-
-def report(metrics, args):
-    """Print the run's speed and write its figures to --metrics-json."""
-    print(
-        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
-        f"launch to end {metrics['total_seconds']:.2f} s"
-    )
-    if args.metrics_json:
-        save_atomically(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print(f"Finished training in {metrics['train_seconds']:.2f} secs")
-
-
 def peak_memory_mib():
     """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
     try:
@@ -317,29 +234,71 @@ def peak_memory_mib():
     return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
 
 
-# ---- 6. Launch and command line -----------------------------------------------------------------------------
+# ---- 5. Checkpoint
+def save_checkpoint(model, optimizer, epoch, args):
+    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
+    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    if error := write_atomically(args.checkpoint, lambda f: torch.save(state, f)):
+        sys.exit(error)  # its one line: the file there before stays whole
 
 
+def resume(model, optimizer, args):
+    """Load --checkpoint into model and optimizer; returns the epoch to start from."""
+    try:
+        state = read_checkpoint(args)
+        if state is None:
+            print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
+            return 0
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError) as e:
+        sys.exit(f"error: --resume: {args.checkpoint} does not fit this model ({' '.join(str(e).split())})")
+    except ValueError as e:
+        sys.exit(f"error: --resume: {e}")
+    epoch = state["epoch"]
+    print(f"Resuming from {args.checkpoint}: epoch {epoch} done, starting epoch {epoch + 1}")
+    group = optimizer.param_groups[0]  # --lr wins over the saved rate, as every flag of a resumed run does
+    if group["lr"] != args.lr:
+        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
+    group["lr"] = args.lr
+    return epoch + 1
+
+
+def read_checkpoint(args):
+    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
+    if not os.path.exists(args.checkpoint):
+        return None
+    try:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
+        ) from e
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+    if state["dataset"] != args.dataset:
+        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+    return state
+
+
+# ---- 6. Launch and command line
 def main(argv=None):
     args = parse_args(argv)
-    before = file_version(args.checkpoint)  # the interrupt line tells whether this launch replaced it
-    stop_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    before = file_version(args.checkpoint)  # the stop line tells whether this launch replaced it
+    raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     try:
         prepare_data(args)
         data = load_data(args)
         torch.manual_seed(args.seed)
-        # Channels-last is the layout the convolution kernels work in (oneDNN's on CPUs, cuDNN's tensor cores).
-        model = ConvNet().to(memory_format=torch.channels_last)
+        model = ConvNet().to(memory_format=torch.channels_last)  # the layout the convolution kernels work in
         keep_pool_gradient_channels_last(model)
-        optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
-        train(model, optimizer, data, args)
+        train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), data, args)
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        checkpoint = checkpoint_note(args.checkpoint, before)
-        print(f"{how}{checkpoint}", file=sys.stderr)
-        sys.exit(status)  # 128 + the signal's number, what a shell reports: 130 for Ctrl-C, 143 for SIGTERM
+        print(how + checkpoint_note(args.checkpoint, before), file=sys.stderr)
+        sys.exit(status)  # 128 + the signal's number, as a shell reports it
 
 
 def parse_args(argv=None):
@@ -353,15 +312,13 @@ def parse_args(argv=None):
             parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    args.threads_from = ""  # what capped the default threads, said in the layout line
-    if args.threads is None:
-        try:
-            args.threads, args.threads_from = default_threads()
-        except (ValueError, argparse.ArgumentTypeError):
-            parser.error(
-                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads (1 or "
-                "more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-            )
+    try:  # threads_from: what capped the default threads, said in the layout line
+        args.threads, args.threads_from = (args.threads, "") if args.threads else default_threads()
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(
+            f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads "
+            "(1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+        )
     return args
 
 
@@ -374,54 +331,27 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    # Flags of two words take the article's spelling too: --batch_size as well as --batch-size.
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    p.add_argument(
-        "--batch-size",
-        "--batch_size",
-        type=positive_int,
-        default=128,
-        metavar="N",
-        help="images per batch (default: 128)",
-    )
-    p.add_argument("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    p.add_argument("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    p.add_argument(
-        "--data-dir",
-        "--data_dir",
-        default="./data",
-        metavar="DIR",
-        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)",
-    )
-    p.add_argument(
-        "--log-interval",
-        "--log_interval",
-        type=positive_int,
-        default=10,
-        metavar="N",
-        help="batches between progress lines (default: 10)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)",
-    )
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    p.add_argument(
-        "--checkpoint", metavar="PATH", help="save model and optimizer here after every epoch (default: none)"
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)",
-    )
-    p.add_argument(
-        "--metrics-json", "--metrics_json", metavar="PATH", help="write the run's figures here as JSON (default: none)"
-    )
+
+    def add(flag, help, **options):  # a flag of two words takes the article's spelling too: --batch_size
+        p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
+
+    add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1, metavar="N")
+    add("--batch-size", "images per batch (default: 128)", type=positive_int, default=128, metavar="N")
+    add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5, metavar="LR")
+    add("--seed", "random seed (default: 0)", type=int, default=0, metavar="N")
+    add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
+    layout = "torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw"
+    add("--data-dir", f"data folder, {layout} (default: ./data)", default="./data", metavar="DIR")
+    interval = "batches between progress lines (default: 10)"
+    add("--log-interval", interval, type=positive_int, default=10, metavar="N")
+    threads = "intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)"
+    add("--threads", threads, type=positive_int, default=None, metavar="N")
+    add("--amp", "bfloat16 autocast (default: off)", action="store_true")
+    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
+    resume = "continue from --checkpoint; start fresh where it does not exist yet (default: off)"
+    add("--resume", resume, action="store_true")
+    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
     return p
 
 
@@ -440,16 +370,21 @@ def positive_float(text):
 
 
 def default_threads():
-    """Intra-op threads and what capped them: OMP_NUM_THREADS where set, else every core this process may use."""
+    """Intra-op threads and what capped them: OMP_NUM_THREADS where set, else every core this run may use."""
     if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
         return positive_int(getenv("OMP_NUM_THREADS").split(",")[0]), ""
     return usable_cores()
 
 
+def getenv(name, default=None):
+    """An environment variable, or default where it is unset or empty: an empty one means unset."""
+    return os.environ.get(name) or default
+
+
+# ---- Machinery: speed and robustness (a first reading may skip it)
 def usable_cores():
-    """The cores this process may use, and what capped them ("" where nothing did): the cores it may run on
-    (os.sched_getaffinity is Linux-only: elsewhere every core), a cgroup's CPU quota (the process still sees every
-    core), SLURM_CPUS_PER_TASK (under SLURM's task/none nothing pins a task to the cores it was given)."""
+    """The cores this process may use, and what capped them ("" where nothing did): its affinity mask, a
+    cgroup's CPU quota (invisible to the core count), SLURM_CPUS_PER_TASK (task/none pins nothing)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -458,37 +393,28 @@ def usable_cores():
 
 
 def cgroup_cpus():
-    """The cores a CPU quota gives this process (Docker's --cpus, a Kubernetes CPU limit), rounded up: the tightest
-    of its cgroup's and those above it (a container may see its own cgroup as the root), from cgroup v2's cpu.max
-    ("max 100000", or "150000 100000" for 1.5 cores) or v1's cpu.cfs_quota_us (-1: none) over cpu.cfs_period_us."""
+    """The cores a CPU quota gives (Docker's --cpus, a Kubernetes limit), rounded up: the tightest of this
+    cgroup's and those above it, from v2's cpu.max or v1's cpu.cfs_quota_us over cpu.cfs_period_us."""
     hierarchies, quotas = [], []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
         hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
     for _, controllers, path in hierarchies:
         v1 = "cpu" in controllers.split(",")
-        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then each above it
+        for up in range(path.count("/") + 1) if v1 or not controllers else ():
             folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-            files = [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"] if v1 else [f"{folder}/cpu.max"] * 2
+            files = (
+                [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"]
+                if v1
+                else [f"{folder}/cpu.max"] * 2
+            )
             with contextlib.suppress(OSError, ValueError), open(files[0]) as quota, open(files[1]) as period:
-                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))  # rounded up
+                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
 
 
-def getenv(name, default=None):
-    """An environment variable, or default where it is unset or empty: `MASTER_PORT=` means unset, as it does
-    to torchrun and most launchers."""
-    return os.environ.get(name) or default
-
-
-# ---- Speed and robustness machinery (can be skipped on a first reading) -------------------------------------
-# What makes the story above run fast on CPUs: the allocator kept warm, and a layout fix for max-pool's backward;
-# and SIGTERM, which stops the run as Ctrl-C does.
-
-
 def keep_freed_memory():
-    """glibc hands every freed block above 128 KiB back to the system, so each training step would map its
-    activations afresh and fault their pages in again. Keep freed blocks for reuse instead (mallopt(3);
-    jemalloc or tcmalloc do the same)."""
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, and every
+    step would fault its activations' pages in afresh."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -498,8 +424,8 @@ def keep_freed_memory():
 
 
 def release_freed_memory():
-    """Hand the blocks kept for the training steps back to the system (malloc_trim(3)) once an epoch's
-    evaluation is done: checkpointing, the next epoch's start and the exit need not carry them."""
+    """Hand the kept blocks back (malloc_trim(3)) after an epoch's evaluation: the checkpoint and the exit
+    need not carry them."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -507,11 +433,8 @@ def release_freed_memory():
 
 
 def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's backward its gradient in channels-last order. flatten() returns the gradient in NCHW
-    order, and max-pool's CPU backward takes the layout of its incoming gradient: on a channels-last model it
-    would convert its whole 24x24 gradient to NCHW and back. One conversion of the small 12x12 gradient
-    instead. max_pool2d is a function, not a module, so the hook sits on dropout1, whose input is the pool's
-    output."""
+    """Hand max-pool's CPU backward a channels-last gradient: else it converts its whole 24x24 gradient from
+    flatten()'s NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
 
     def on_pooled(module, inputs):
         pooled = inputs[0]
@@ -522,18 +445,17 @@ def keep_pool_gradient_channels_last(model):
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, timeout, docker stop, Kubernetes, SLURM's scancel, torchrun), raised where the process
-    is, as Ctrl-C raises KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
+    """SIGTERM (kill, timeout, docker stop, scancel), raised where the process is, as Ctrl-C raises
+    KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
 
 
-def stop_on_signals(ctrl_c):
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM raises Terminated, wherever the process is, so that the same
-    clean-up runs. The first only: a second (a worker's own Ctrl-C, then its launcher's SIGTERM) is ignored, for
-    it must not cut the clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+def raise_on_signals(ctrl_c):
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated; a second signal must not cut the clean-up
+    short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
     stopping = []
 
     def stop(signum, frame):
-        # Not in one already leaving (its error line on the way out): raised there, it would print a traceback.
+        # Not while already leaving with an error line: raised there, it would print a traceback.
         if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             stopping.append(signum)
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
@@ -543,28 +465,25 @@ def stop_on_signals(ctrl_c):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, as a plain open() would make it; returns None, or the one line that says
-    why it could not (an OSError: a full disk, a quota, a folder gone), the file there before left whole. write(f)
-    writes into memory first: torch.save onto a full disk raises "unexpected pos", not the disk's own error. Then
-    a temporary file in path's folder, with the mode of the file it replaces, else the one the umask gives
-    (mkstemp's 0600 would hide checkpoints from teammates and evaluation jobs), flushed to disk, renamed over
-    path, and the folder flushed too, so that the rename survives a power cut. No temporary file stays."""
+    """Write path whole or not at all, with the mode open() would give; returns None, or the one line saying
+    why not. Into memory, a temporary file flushed and renamed over path, then the folder flushed."""
     buffer, temporary = io.BytesIO(), None
-    write(buffer)
+    write(buffer)  # into memory first: a full disk then raises its own error, on the write below
     try:
         fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temporary, plain_file_mode(path))
+        os.chmod(temporary, plain_file_mode(path))  # not mkstemp's 0600, which hides files from teammates
         os.replace(temporary, path)
         temporary = None
         sync_folder(os.path.dirname(os.path.abspath(path)))
     except OSError as e:
         cause = e.strerror or str(e)
         return (
-            f"error: cannot write {path} ({cause}); what was there before is unchanged: free space, or write elsewhere"
+            f"error: cannot write {path} ({cause}); what was there before is unchanged: "
+            "free space, or write elsewhere"
         )
     finally:
         if temporary is not None:
@@ -584,9 +503,9 @@ def plain_file_mode(path):
 
 
 def sync_folder(folder):
-    """Flush a folder's list of names to disk, where a rename is recorded (Windows opens no folder as a file)."""
+    """Flush a folder's list of names to disk, so that a rename survives a power cut."""
     if os.name != "posix":
-        return
+        return  # Windows opens no folder as a file
     with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
         fd = os.open(folder, os.O_RDONLY)
         try:
@@ -596,7 +515,7 @@ def sync_folder(folder):
 
 
 def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new file in place), or None where none is."""
+    """What tells one version of a file from the next (a rename puts a new file in place), or None."""
     try:
         found = os.stat(path)
     except (OSError, TypeError):
@@ -605,7 +524,7 @@ def file_version(path):
 
 
 def checkpoint_note(path, before):
-    """What the line of an interrupted run says of --checkpoint: what is there now, against its version at launch."""
+    """What the stop line says of --checkpoint: what is there now, against its version at launch."""
     if path is None:
         return ""
     now = file_version(path)
@@ -617,23 +536,17 @@ def checkpoint_note(path, before):
 
 
 def exit_at_once(status=0):
-    """Leave without tearing the interpreter down, as sys.exit(status) would end (a message goes to stderr, and
-    exits 1). Tearing down pages torch's libraries back in (the CUDA build's above all) only to unload them, for
-    about a second, and frees a Gloo group kept to the exit (leave_group), whose threads can abort the process
-    ("terminate called without an active exception") as the interpreter goes."""
-    with contextlib.suppress(
-        ValueError
-    ):  # a stop now would only cut the exit short (main thread only: else ValueError)
+    """Leave as sys.exit(status) would, but without tearing the interpreter down: that pages torch's
+    libraries back in only to unload them."""
+    with contextlib.suppress(ValueError):  # a stop now would cut the exit short (ValueError: not main thread)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
-        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
+        sys.stderr.write(f"{status}\n")  # one write: two let another process's line in between
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # os._exit drops what C code holds in stdio's buffers (NCCL_DEBUG's log written to a file loses its last
-    # block): fflush(NULL) flushes every C stream. Skipped on Windows, which has no CDLL(None).
-    if os.name == "posix":
+    if os.name == "posix":  # os._exit drops what C code holds in stdio's buffers: flush them all
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
@@ -644,7 +557,7 @@ if __name__ == "__main__":
         main()
     except SystemExit as e:  # every failure's one line, and every signal's exit status
         exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where; then out as ever, a Gloo group kept unfreed (leave_group)
+    except Exception:  # a bug: its traceback says where, then out at once all the same
         traceback.print_exc()
         exit_at_once(1)
     exit_at_once()
