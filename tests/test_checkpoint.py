@@ -1,4 +1,4 @@
-"""--checkpoint and --resume: rank 0 saves after every epoch, atomically; a rerun continues where it stopped."""
+"""--checkpoint and --resume: rank 0 saves after each epoch, atomically; a rerun goes on where it stopped."""
 
 import pytest
 import torch
@@ -21,14 +21,20 @@ def test_resumed_run_ends_where_an_unbroken_run_ends(data_dir, tmp_path, script,
     unbroken = train(script, data_dir, tmp_path, "--epochs", 2, *procs, name="unbroken.json")
     assert unbroken.returncode == 0, unbroken.stderr
 
-    first = train(script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, "--resume", *procs, name="a.json")
+    first = train(
+        script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, "--resume", *procs, name="a.json"
+    )
     assert first.returncode == 0, first.stderr
     assert f"No checkpoint at {ck} yet: starting from epoch 0" in first.stdout
     state = torch.load(ck, weights_only=True)
     assert state["epoch"] == 0 and state["dataset"] == "mnist"
-    assert set(state["model"]) == set(convnet_distributed.ConvNet().state_dict())  # the unwrapped model's keys
+    assert set(state["model"]) == set(
+        convnet_distributed.ConvNet().state_dict()
+    )  # the unwrapped model's keys
 
-    second = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", *procs, name="b.json")
+    second = train(
+        script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", *procs, name="b.json"
+    )
     assert second.returncode == 0, second.stderr
     assert "Resuming from" in second.stdout and "starting epoch 1" in second.stdout
     assert "epoch: 0 [" not in second.stdout and "epoch: 1 [0/" in second.stdout
@@ -38,7 +44,9 @@ def test_resumed_run_ends_where_an_unbroken_run_ends(data_dir, tmp_path, script,
     assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
     assert resumed["final_train_loss"] == pytest.approx(whole["final_train_loss"], rel=1e-4)
 
-    again = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", *procs, name="c.json")
+    again = train(
+        script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", *procs, name="c.json"
+    )
     assert again.returncode == 0 and "Nothing to train" in again.stdout
     assert read_json(tmp_path / "c.json")["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-4)
 
@@ -57,11 +65,20 @@ def test_bad_checkpoint_is_a_clear_error_and_is_left_alone(data_dir, tmp_path, c
         torch.save({"weights": torch.zeros(3)}, ck)
         content = ck.read_bytes()
     elif content == "other-dataset":
-        torch.save({"format": convnet_distributed.CHECKPOINT_FORMAT, "dataset": "fashion-mnist", "epoch": 0}, ck)
+        torch.save(
+            {"format": convnet_distributed.CHECKPOINT_FORMAT, "dataset": "fashion-mnist", "epoch": 0}, ck
+        )
         content = ck.read_bytes()
     ck.write_bytes(content)
     result = train(
-        "convnet_distributed.py", data_dir, tmp_path, "--num-processes", processes, "--checkpoint", ck, "--resume"
+        "convnet_distributed.py",
+        data_dir,
+        tmp_path,
+        "--num-processes",
+        processes,
+        "--checkpoint",
+        ck,
+        "--resume",
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -84,7 +101,11 @@ def test_checkpoint_of_another_model_does_not_fit(data_dir, tmp_path):
         ck,
     )
     result = train("convnet_undistributed.py", data_dir, tmp_path, "--checkpoint", ck, "--resume")
-    assert result.returncode == 1 and "does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        result.returncode == 1
+        and "does not fit this model" in result.stderr
+        and "Traceback" not in result.stderr
+    )
 
 
 def test_atomic_save_leaves_the_previous_file_whole(tmp_path):
@@ -102,19 +123,23 @@ def test_atomic_save_leaves_the_previous_file_whole(tmp_path):
 
 
 def test_unwritable_checkpoint_folder_is_found_before_training(data_dir, tmp_path):
-    result = train("convnet_undistributed.py", data_dir, tmp_path, "--checkpoint", tmp_path / "no" / "such" / "ck.pt")
+    result = train(
+        "convnet_undistributed.py", data_dir, tmp_path, "--checkpoint", tmp_path / "no" / "such" / "ck.pt"
+    )
     assert result.returncode == 2 and "--checkpoint" in result.stderr and "epoch: " not in result.stdout
 
 
 @pytest.mark.parametrize("script,processes", [("convnet_undistributed.py", 1), ("convnet_distributed.py", 2)])
 def test_a_resumed_run_takes_the_learning_rate_of_its_command_line(data_dir, tmp_path, script, processes):
-    """The optimizer's state restored the checkpoint's learning rate: `--resume --lr 0.1` trained on at 0.5, while
-    the checkpoint's args said 0.1."""
+    """The optimizer's state restored the checkpoint's learning rate: `--resume --lr 0.1` trained on at 0.5,
+    while the checkpoint's args said 0.1."""
     procs = ["--num-processes", processes] if processes > 1 else []
     ck = tmp_path / "ck.pt"
     first = train(script, data_dir, tmp_path, "--epochs", 1, "--checkpoint", ck, *procs)
     assert first.returncode == 0, first.stderr
-    resumed = train(script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", "--lr", 0.1, *procs)
+    resumed = train(
+        script, data_dir, tmp_path, "--epochs", 2, "--checkpoint", ck, "--resume", "--lr", 0.1, *procs
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count("Learning rate 0.1 from --lr (the checkpoint had 0.5)\n") == 1, resumed.stdout
     state = torch.load(ck, weights_only=True)

@@ -26,8 +26,8 @@ def test_article_multi_machine_flags_parse_in_both_spellings(clean_env):
 
 
 def test_master_address_and_port_come_from_flags_then_environment(clean_env, monkeypatch):
-    """The article hard-coded 127.0.0.1:8892, so its second machine rendezvoused with itself. A job on one machine
-    given no port takes a free one as it starts (0 until then: claim_port); across machines 8892."""
+    """The article hard-coded 127.0.0.1:8892, so its second machine rendezvoused with itself. A job on one
+    machine given no port takes a free one as it starts (0 until then: claim_port); across machines 8892."""
     defaults = convnet_distributed.parse_args([])
     assert (defaults.master_addr, defaults.master_port) == ("127.0.0.1", 0)
     across = convnet_distributed.parse_args(["--num-machines", "2"])
@@ -63,7 +63,9 @@ def test_bad_command_lines_are_usage_errors(clean_env, argv, capsys):
 def test_threads_are_shared_out_between_the_processes_of_a_machine(clean_env, monkeypatch):
     """The article let each of N processes start one thread per core: N-fold oversubscription."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    threads = {n: convnet_distributed.parse_args(["--num-processes", str(n)]).threads for n in (1, 2, 4, 8, 16)}
+    threads = {
+        n: convnet_distributed.parse_args(["--num-processes", str(n)]).threads for n in (1, 2, 4, 8, 16)
+    }
     assert threads == {1: 8, 2: 4, 4: 2, 8: 1, 16: 1}
     assert convnet_undistributed.parse_args([]).threads == 8
     assert convnet_distributed.parse_args(["--num-processes", "2", "--threads", "3"]).threads == 3
@@ -133,7 +135,7 @@ def test_help_shows_the_launch_commands():
     ],
 )
 def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, capsys, flags, message):
-    """torchrun --nnodes 2 --nproc-per-node 2, node 1: its environment decides; a flag saying otherwise is a mistake."""
+    """torchrun --nnodes 2 --nproc-per-node 2, node 1: its environment decides; a flag against it is wrong."""
     for name, value in dict(
         RANK="3",
         WORLD_SIZE="4",
@@ -144,7 +146,9 @@ def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, 
         MASTER_PORT="29500",
     ).items():
         monkeypatch.setenv(name, value)
-    args = convnet_distributed.parse_args(["--num-processes", "2", "--num-machines", "2", "--machine-id", "1"])
+    args = convnet_distributed.parse_args(
+        ["--num-processes", "2", "--num-machines", "2", "--machine-id", "1"]
+    )
     assert (args.num_processes, args.num_machines, args.machine_id) == (2, 2, 1)
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 29500)
     with pytest.raises(SystemExit) as exit:
@@ -163,7 +167,7 @@ def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, 
 def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
     clean_env, monkeypatch, capsys, flags, message
 ):
-    """Kubeflow's PyTorchJob sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each pod, and no LOCAL_RANK."""
+    """Kubeflow's PyTorchJob sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each pod, no LOCAL_RANK."""
     for name, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500").items():
         monkeypatch.setenv(name, value)
     args = convnet_distributed.parse_args([])
@@ -180,7 +184,7 @@ def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
 
 @pytest.mark.parametrize("module", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
 def test_an_empty_environment_variable_is_unset(clean_env, monkeypatch, module):
-    """`MASTER_PORT=` was an error while an empty OMP_NUM_THREADS was ignored: now every empty variable is unset."""
+    """`MASTER_PORT=` was an error, an empty OMP_NUM_THREADS ignored: now every empty variable is unset."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
     for name in ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK"):  # fmt: skip
@@ -188,7 +192,12 @@ def test_an_empty_environment_variable_is_unset(clean_env, monkeypatch, module):
     args = module.parse_args([])
     assert args.threads == 4
     if module is not convnet_undistributed:
-        assert (args.master_addr, args.master_port, args.machine_id, args.num_machines) == ("127.0.0.1", 0, 0, 1)
+        assert (args.master_addr, args.master_port, args.machine_id, args.num_machines) == (
+            "127.0.0.1",
+            0,
+            0,
+            1,
+        )
         assert args.launcher is None and args.rank is None
 
 
@@ -197,7 +206,9 @@ def test_master_port_empty_in_a_launch_is_the_default_not_an_error():
         [sys.executable, "-c", "import convnet_distributed as c; print(c.parse_args([]).master_port)"],
         cwd=REPO, env=script_env(MASTER_PORT=""), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert parsed.returncode == 0 and parsed.stdout.strip() == "0", parsed.stderr  # 0: a free port, at the start
+    assert parsed.returncode == 0 and parsed.stdout.strip() == "0", (
+        parsed.stderr
+    )  # 0: a free port, at the start
 
 
 def test_default_threads_honour_slurm_cpus_per_task(clean_env, monkeypatch):
@@ -218,12 +229,15 @@ def test_omp_num_threads_as_a_list_per_nesting_level_gives_the_outer_count(clean
 
 
 def test_omp_num_threads_as_a_list_lets_a_run_start(tmp_path):
-    result = run_script("convnet_distributed.py", "--check", "--master-port", free_port(), "--data-dir", tmp_path,
-                        env=script_env(OMP_NUM_THREADS="4,2"), timeout=60)  # fmt: skip
+    result = run_script("convnet_distributed.py", "--check", "--master-port", free_port(),
+                        "--data-dir", tmp_path, env=script_env(OMP_NUM_THREADS="4,2"),
+                        timeout=60)  # fmt: skip
     assert result.returncode == 0 and "Check passed" in result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("script,value", [("convnet_undistributed.py", "0"), ("convnet_distributed.py", "many")])
+@pytest.mark.parametrize(
+    "script,value", [("convnet_undistributed.py", "0"), ("convnet_distributed.py", "many")]
+)
 def test_omp_num_threads_that_is_no_count_is_one_line_naming_it(tmp_path, script, value):
     """A traceback of int() or positive_int once; now the parser's one line, naming the variable and the fix.
     (libgomp, loaded with torch, may say "Invalid value" on a line of its own before it.)"""

@@ -17,16 +17,16 @@ import convnet_distributed
 import convnet_distributed_cuda
 from conftest import REPO, free_port, script_env, spawn_bounded, tensors
 
-# On one pytest-xdist worker: the module's one pair of processes (ranks), and its two hosts beside the other tests that
-# make network namespaces (its benchmark checks that `ip netns list` is the same before and after).
+# On one pytest-xdist worker: the module's one pair of processes (ranks), and its two hosts beside the other
+# tests that make network namespaces (its benchmark checks that `ip netns list` is the same before and after).
 pytestmark = pytest.mark.xdist_group("netns")
 STEPS = 3  # PowerSGD averages plainly for 2 steps (POWERSGD_PLAIN_STEPS), then compresses
 RESUME_AT, RESUME_STEPS = 6, 4  # the resume check: steps before the checkpoint, and after it
 
 
 def exercise(rank, world_size, port, out):
-    """In one pair of processes (a spawn costs seconds): STEPS steps with each hook, and a checkpoint taken and
-    resumed with PowerSGD."""
+    """In one pair of processes (a spawn costs seconds): STEPS steps with each hook, and a checkpoint taken
+    and resumed with PowerSGD."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -38,7 +38,9 @@ def exercise(rank, world_size, port, out):
 
 def set_up(rank, world_size, compress, *flags, dropout=False):
     """The script's model, optimizer and DDP over Gloo, with --compress; this rank's batches of epoch 0."""
-    args = convnet_distributed.parse_args(["--batch-size", "64", "--allreduce", "gloo", "--compress", compress, *flags])
+    args = convnet_distributed.parse_args(
+        ["--batch-size", "64", "--allreduce", "gloo", "--compress", compress, *flags]
+    )
     torch.manual_seed(0)
     model = convnet_distributed.ConvNet().to(memory_format=torch.channels_last)
     convnet_distributed.keep_pool_gradient_channels_last(model)
@@ -53,8 +55,8 @@ def set_up(rank, world_size, compress, *flags, dropout=False):
 
 
 def first_steps(rank, world_size, compress):
-    """STEPS steps, dropout off, recording for each this rank's own gradient (no averaging), the averaged one DDP
-    hands the optimizer and, for PowerSGD, the error feedback the hook kept."""
+    """STEPS steps, dropout off, recording for each this rank's own gradient (no averaging), the averaged one
+    DDP hands the optimizer and, for PowerSGD, the error feedback the hook kept."""
     images, labels, _, _ = tensors()
     args, model, optimizer, ddp_model, allreduce, powersgd, batches = set_up(rank, world_size, compress)
     steps = []
@@ -70,18 +72,22 @@ def first_steps(rank, world_size, compress):
 
 
 def resumed_steps(rank, world_size, checkpoint):
-    """The script's train_epoch, save_checkpoint and resume, dropout on: RESUME_AT steps, a checkpoint, RESUME_STEPS
-    more; then a fresh model resumed from the checkpoint takes the same RESUME_STEPS. Both runs' weights."""
+    """The script's train_epoch, save_checkpoint and resume, dropout on: RESUME_AT steps, a checkpoint,
+    RESUME_STEPS more; a fresh model resumed from the checkpoint takes the same steps. Both runs' weights."""
     images, labels, _, _ = tensors()
     flags = ("--checkpoint", checkpoint, "--resume")
-    args, model, optimizer, ddp_model, _, powersgd, batches = set_up(rank, world_size, "powersgd", *flags, dropout=True)
+    args, model, optimizer, ddp_model, _, powersgd, batches = set_up(
+        rank, world_size, "powersgd", *flags, dropout=True
+    )
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches[:RESUME_AT], 0, args)
     convnet_distributed.save_checkpoint(model, optimizer, 0, args, powersgd)
     later = batches[RESUME_AT : RESUME_AT + RESUME_STEPS]
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
     unbroken = [p.detach().clone() for p in model.parameters()]
-    args, model, optimizer, ddp_model, _, powersgd, _ = set_up(rank, world_size, "powersgd", *flags, dropout=True)
+    args, model, optimizer, ddp_model, _, powersgd, _ = set_up(
+        rank, world_size, "powersgd", *flags, dropout=True
+    )
     convnet_distributed.resume(model, optimizer, args, powersgd)
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
@@ -111,14 +117,15 @@ def test_bf16_averages_within_bfloat16_rounding_of_float32(ranks):
             assert difference <= scale / 128, name
     # It did compress: float32's average differs from it somewhere.
     assert not torch.equal(
-        ranks[0]["steps"][0]["averaged"][4], (ranks[0]["steps"][0]["own"][4] + ranks[1]["steps"][0]["own"][4]) / 2
+        ranks[0]["steps"][0]["averaged"][4],
+        (ranks[0]["steps"][0]["own"][4] + ranks[1]["steps"][0]["own"][4]) / 2,
     )
 
 
 def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
-    """The first 2 steps are plain averages (rtol 1e-5). At the first compressed step the averaged gradient plus
-    the ranks' mean error feedback is the true average (rtol 1e-4): nothing is lost, only delayed. The biases
-    travel uncompressed; fc1's weight does not, and the whole model is one bucket (two race over Gloo)."""
+    """The first 2 steps are plain averages (rtol 1e-5). At the first compressed step the averaged gradient
+    plus the ranks' mean error feedback is the true average (rtol 1e-4): nothing is lost, only delayed.
+    Biases travel uncompressed, fc1's weight does not; the model is one bucket (two would race over Gloo)."""
     ranks = [r["powersgd"] for r in ranks[0]]
     assert ranks[0]["order"] and sorted(ranks[0]["order"]) == sorted(NAMES)  # one bucket held every parameter
     for step in range(STEPS):
@@ -132,7 +139,9 @@ def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
                     assert r["steps"][step]["error"] == {}
                     continue
                 errors = sum(other["steps"][step]["error"][name] for other in ranks) / len(ranks)
-                kept = averaged + errors.view_as(averaged.contiguous()).as_strided(averaged.shape, averaged.stride())
+                kept = averaged + errors.view_as(averaged.contiguous()).as_strided(
+                    averaged.shape, averaged.stride()
+                )
                 torch.testing.assert_close(kept, true_average, rtol=1e-4, atol=1e-5 * scale)
                 if name.endswith("bias"):
                     torch.testing.assert_close(averaged, true_average, rtol=1e-5, atol=1e-6 * scale)
@@ -141,18 +150,24 @@ def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
 
 
 def test_resume_is_exact_with_powersgds_state(ranks):
-    """Steps taken after a checkpoint, and the same steps taken by a fresh model resumed from it, give the same
-    weights, bit for bit: the checkpoint holds each rank's error feedback and the warm-started Q, laid out again
-    for the resumed run's first bucket, whose order DDP has not changed yet. (Without that state PowerSGD would
-    start afresh there, and the weights would differ.)"""
+    """Steps taken after a checkpoint, and the same steps taken by a fresh model resumed from it, give the
+    same weights, bit for bit: the checkpoint holds each rank's error feedback and the warm-started Q, laid
+    out again for the resumed run's first bucket, whose order DDP has not changed yet. (Without that state
+    PowerSGD would start afresh there, and the weights would differ.)"""
     results, out = ranks
     for r in results:
         for unbroken, resumed in zip(r["resume"]["unbroken"], r["resume"]["resumed"]):
             assert torch.equal(unbroken, resumed)
     saved = torch.load(out / "ck.pt", weights_only=True)["compression"]
     assert saved["iter"] == RESUME_AT and len(saved["errors"]) == 2
-    assert set(saved["errors"][1]) == set(NAMES) and set(saved["q"]) == {"conv2.weight", "fc1.weight", "fc2.weight"}
-    assert not torch.equal(saved["errors"][0]["fc1.weight"], saved["errors"][1]["fc1.weight"])  # each rank's own
+    assert set(saved["errors"][1]) == set(NAMES) and set(saved["q"]) == {
+        "conv2.weight",
+        "fc1.weight",
+        "fc2.weight",
+    }
+    assert not torch.equal(
+        saved["errors"][0]["fc1.weight"], saved["errors"][1]["fc1.weight"]
+    )  # each rank's own
 
 
 @pytest.mark.parametrize("script", [convnet_distributed, convnet_distributed_cuda])
@@ -164,7 +179,7 @@ def test_a_bad_compress_value_is_one_line(clean_env, capsys, script):
     assert err.count("\n") == 1 and "argument --compress: invalid choice: 'zip'" in err, err
 
 
-# --- across two hosts (network namespaces, tests/test_multihost.py), the link shaped by tc ----------------------
+# --- across two hosts (network namespaces, tests/test_multihost.py), the link shaped by tc ------------------
 
 from test_multihost import finish_all, make_network, random_port, script_machines  # noqa: E402
 
@@ -187,7 +202,9 @@ def slow_network():
 def test_check_on_a_slow_link_names_the_flag(slow_network, data_dir, tmp_path):
     """--check times an average of the gradients' real size (1.2 MB: about 1 s at 10 Mbit/s) against a step of
     computing, and names --compress powersgd, since the network would dominate."""
-    machines = script_machines(slow_network, random_port(), data_dir, tmp_path, script_env(), extra=["--check"])
+    machines = script_machines(
+        slow_network, random_port(), data_dir, tmp_path, script_env(), extra=["--check"]
+    )
     results = finish_all(machines, 120)
     assert [r.returncode for r in results] == [0, 0], results
     last = results[0].stdout.splitlines()[-1]
@@ -240,7 +257,13 @@ def test_network_benchmark_takes_each_ratio_against_the_references_beside_the_ru
 
     def record(sequence, link, compress, seconds):
         metrics = {"train_seconds": seconds}
-        return {"sequence": sequence, "link_mbit": link, "compress": compress, "epochs": 1, "metrics": metrics}
+        return {
+            "sequence": sequence,
+            "link_mbit": link,
+            "compress": compress,
+            "epochs": 1,
+            "metrics": metrics,
+        }
 
     # The machine slows from 10 s to 20 s a reference: the run between them took 15 s, as fast as one host.
     records = [record(0, None, "none", 10.0), record(1, 100, "powersgd", 15.0), record(2, None, "none", 20.0)]

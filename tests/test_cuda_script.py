@@ -12,18 +12,28 @@ import torch
 import torch.distributed as dist
 
 import convnet_distributed_cuda as cuda_script
-from conftest import N_TEST, REPO, finish, free_port, read_json, run_script, script_env, spawn_bounded, tensors
+from conftest import (
+    N_TEST,
+    REPO,
+    finish,
+    free_port,
+    read_json,
+    run_script,
+    script_env,
+    spawn_bounded,
+    tensors,
+)
 from test_faults import left_running
 
 
 def needs_gpu(test):
-    """The one kind of test that may skip under CI's CONVNET_REQUIRE_ALL=1 (conftest.py): one that needs a GPU."""
+    """The only tests that may skip under CI's CONVNET_REQUIRE_ALL=1 (conftest.py): those that need a GPU."""
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
     return pytest.mark.gpu(skip(test))
 
 
 def worker_on_cpu(local_rank, args):
-    """A rank of the script's own worker, with its one choice of backend and device pointed at Gloo and the CPU."""
+    """A rank of the script's own worker, its one choice of backend and device pointed at Gloo and the CPU."""
     init_process_group = dist.init_process_group
 
     def on_gloo(backend, device_id=None, **kwargs):
@@ -45,7 +55,7 @@ def gpu_of_its_own(patch, index):
 
 def spawned_worker_on_cpu(local_rank, args):
     """A spawned rank ends as the script's own do (exit_at_once): the worker keeps its Gloo group to the exit
-    (leave_group), and tearing the interpreter down with it aborted about 1 run in 20 (SIGABRT)."""
+    (worker), and tearing the interpreter down with it aborted about 1 run in 20 (SIGABRT)."""
     worker_on_cpu(local_rank, args)
     cuda_script.exit_at_once()
 
@@ -69,13 +79,17 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
     if processes == 1:
         try:
             worker_on_cpu(0, args)
-        finally:  # free the group the worker kept for its exit (leave_group) now: this process, pytest's, goes on
-            cuda_script.GROUPS_LEFT.clear()
+        finally:  # free the group the worker kept for its exit (worker) now: pytest's process goes on
+            cuda_script.GROUPS_KEPT.clear()
         assert "Finished training in" in capsys.readouterr().out
     else:
         spawn_bounded(spawned_worker_on_cpu, (args,), nprocs=processes)
     m = read_json(tmp_path / "m.json")
-    assert (m["script"], m["world_size"], m["global_batch_size"]) == ("convnet_distributed_cuda.py", processes, 128)
+    assert (m["script"], m["world_size"], m["global_batch_size"]) == (
+        "convnet_distributed_cuda.py",
+        processes,
+        128,
+    )
     assert m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8
     state = torch.load(tmp_path / "ck.pt", weights_only=True)
     assert set(state["model"]) == set(cuda_script.ConvNet().state_dict())  # loads in the CPU scripts too
@@ -92,7 +106,7 @@ def test_a_failed_check_names_nccl_which_the_script_uses(clean_env, monkeypatch)
 
 
 def nccl_interface_at_init(monkeypatch, args, world_size):
-    """NCCL_SOCKET_IFNAME as the GPU script's join_group leaves it for NCCL, which reads it in init_process_group."""
+    """NCCL_SOCKET_IFNAME as the GPU script's join_group leaves it for NCCL (read in init_process_group)."""
     seen = []
 
     def init_process_group(backend, **kwargs):
@@ -107,8 +121,8 @@ def nccl_interface_at_init(monkeypatch, args, world_size):
 
 
 def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
-    """NCCL's bootstrap listens, unauthenticated, on the first interface it finds: on loopback for a job on one
-    machine; a NCCL_SOCKET_IFNAME given by the user stays."""
+    """NCCL's bootstrap listens, unauthenticated, on the first interface it finds: on loopback for a job on
+    one machine; a NCCL_SOCKET_IFNAME given by the user stays."""
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     args = cuda_script.parse_args(["--num-gpu-processes", "1", "--master-port", str(free_port())])
     assert nccl_interface_at_init(monkeypatch, args, 1) == "=lo"
@@ -121,8 +135,8 @@ def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
     assert "NCCL_SOCKET_IFNAME" not in os.environ  # NCCL's own choice, between machines
 
 
-# A launch of the GPU script on a host with two GPUs, faked: every process sees the GPU whose UUID it is given as
-# cuda:0 (device_count 2); NCCL becomes Gloo and the GPU the CPU, past select_device.
+# A launch of the GPU script on a host with two GPUs, faked: every process sees the GPU whose UUID it is given
+# as cuda:0 (device_count 2); NCCL becomes Gloo and the GPU the CPU, past select_device.
 FAKE_GPUS = """
 import sys, types
 import torch, torch.distributed as dist
@@ -148,10 +162,10 @@ script.exit_at_once()
 @pytest.mark.parametrize("uuids", [("GPU-a", "GPU-a"), ("GPU-a", "GPU-b")])
 @pytest.mark.alone
 def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
-    """RANK and WORLD_SIZE without LOCAL_RANK (each process a machine of its own, on cuda:0), two processes on one
-    host: both took the same GPU, and NCCL's "Duplicate GPU detected" came out as "lost contact with the job". Now
-    each says which ranks share which GPU, within seconds. Two processes each bound to a GPU of its own, which each
-    sees as cuda:0 (a container's, srun --gpus-per-task=1), are told apart by the UUID, and form their group."""
+    """RANK and WORLD_SIZE without LOCAL_RANK (each process a machine of its own, on cuda:0), two processes on
+    one host: both took the same GPU, and NCCL's "Duplicate GPU detected" came out as "lost contact with the
+    job". Now each says which ranks share which GPU, within seconds. Two processes each bound to its own GPU,
+    seen as cuda:0 (a container's, srun --gpus-per-task=1), are told apart by UUID and form their group."""
     harness, port = tmp_path / "fake_gpus.py", free_port()
     harness.write_text(FAKE_GPUS)
     start = time.monotonic()
@@ -178,16 +192,19 @@ def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
     for r in results:
         assert r.returncode == 1 and r.stdout == "", r.stderr
         assert r.stderr.splitlines() == [
-            f"error: ranks 0 and 1 share one GPU (cuda:0 on {host}): NCCL needs one GPU per process: start at "
-            "most one process per GPU, and give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+            f"error: ranks 0 and 1 share one GPU (cuda:0 on {host}): NCCL needs one GPU per process: "
+            "start at most one process per GPU, and give each its own (a launcher's local rank, or "
+            "CUDA_VISIBLE_DEVICES)"
         ], r.stderr
     assert seconds < 30, seconds
 
 
 def test_a_process_bound_to_one_gpu_takes_the_one_it_sees(monkeypatch):
-    """srun --gpus-per-task=1 shows each task one GPU, cuda:0, whatever its SLURM_LOCALID: set_device(1) failed."""
+    """srun --gpus-per-task=1 shows a task one GPU as cuda:0, whatever SLURM_LOCALID: set_device(1) failed."""
     chosen = []
-    if hasattr(torch.backends.cudnn, "conv"):  # select_device turns TF32 on (torch 2.9 and later): put back after
+    if hasattr(
+        torch.backends.cudnn, "conv"
+    ):  # select_device turns TF32 on (torch 2.9 and later): put back after
         for switches in (torch.backends.cuda.matmul, torch.backends.cudnn.conv):
             monkeypatch.setattr(switches, "fp32_precision", switches.fp32_precision)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,4 +1,4 @@
-"""Data without a network: files placed by hand, a clear line when they are missing, one download per machine."""
+"""Data without a network: files placed by hand, a clear line when missing, one download per machine."""
 
 import http.server
 import os
@@ -15,7 +15,13 @@ FASHION = "/usr/share/datasets/fashion-mnist"
 def test_gzipped_files_placed_by_hand_are_unpacked_and_used(tmp_path):
     write_dataset(str(tmp_path), gz=True)
     result = run_script(
-        "convnet_undistributed.py", "--data-dir", tmp_path, "--batch-size", 64, "--metrics-json", tmp_path / "m.json"
+        "convnet_undistributed.py",
+        "--data-dir",
+        tmp_path,
+        "--batch-size",
+        64,
+        "--metrics-json",
+        tmp_path / "m.json",
     )
     assert result.returncode == 0, result.stderr
     assert read_json(tmp_path / "m.json")["test_samples"] == N_TEST
@@ -43,12 +49,16 @@ def offline_proxy():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CountingProxy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield script_env(http_proxy=url, https_proxy=url, HTTP_PROXY=url, HTTPS_PROXY=url, no_proxy="", NO_PROXY="")
+    yield script_env(
+        http_proxy=url, https_proxy=url, HTTP_PROXY=url, HTTPS_PROXY=url, no_proxy="", NO_PROXY=""
+    )
     server.shutdown()
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_missing_data_offline_is_one_clear_line_and_one_download_per_machine(tmp_path, offline_proxy, processes):
+def test_missing_data_offline_is_one_clear_line_and_one_download_per_machine(
+    tmp_path, offline_proxy, processes
+):
     """The article had every process download into one folder at once. Here the launching process fetches
     the files before any worker starts, so 2 processes make exactly the requests that 1 makes."""
     result = run_script(
@@ -80,7 +90,9 @@ def test_damaged_data_file_is_a_clear_error(tmp_path):
     write_dataset(str(tmp_path))
     path = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
     path.write_bytes(path.read_bytes()[:5000])
-    result = run_script("convnet_distributed.py", "--data-dir", tmp_path, "--master-port", free_port(), timeout=60)
+    result = run_script(
+        "convnet_distributed.py", "--data-dir", tmp_path, "--master-port", free_port(), timeout=60
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "cannot read mnist" in result.stderr and "replace it" in result.stderr

@@ -23,7 +23,9 @@ def shards(world_size, epoch, n=1000, batch_size=10):
     return [
         torch.cat(
             convnet_distributed.epoch_batches(
-                DistributedSampler(labels, num_replicas=world_size, rank=r, shuffle=True, seed=0), epoch, batch_size
+                DistributedSampler(labels, num_replicas=world_size, rank=r, shuffle=True, seed=0),
+                epoch,
+                batch_size,
             )
         ).tolist()
         for r in range(world_size)
@@ -51,8 +53,8 @@ def test_baseline_and_one_process_draw_the_same_batches():
 
 
 def one_step(rank, world_size, port, out, allreduce, token):
-    """One optimizer step of the script's own DDP set-up and train_epoch, dropout off, on the first batch
-    of epoch 0. The shared area is named after token: tests running beside this one make areas of their own."""
+    """One optimizer step of the script's own DDP set-up and train_epoch, dropout off, on the first batch of
+    epoch 0. The shared area is named after token: tests running beside this one make areas of their own."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     convnet_distributed.uuid = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=token))
     torch.set_num_threads(1)
@@ -89,9 +91,12 @@ def one_step(rank, world_size, port, out, allreduce, token):
 
 
 @pytest.mark.parametrize(
-    "world_size, allreduce, used", [(2, "auto", "shared-memory"), (2, "gloo", "gloo"), (4, "auto", "shared-memory")]
+    "world_size, allreduce, used",
+    [(2, "auto", "shared-memory"), (2, "gloo", "gloo"), (4, "auto", "shared-memory")],
 )
-def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_path, world_size, allreduce, used):
+def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(
+    tmp_path, world_size, allreduce, used
+):
     """DDP averages gradients: 2 ranks x 64 images (or 4 x 32) step as the baseline's 128 images do,
     whether the gradients go through shared memory or over Gloo."""
     if used == "shared-memory" and platform.machine() not in ("x86_64", "AMD64"):
@@ -110,7 +115,9 @@ def test_ranks_sharing_a_batch_of_128_take_the_step_of_one_process_of_128(tmp_pa
     spawn_bounded(one_step, (world_size, free_port(), str(tmp_path), allreduce, token), nprocs=world_size)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     assert {r["allreduce"] for r in ranks} == {used}
-    assert not os.path.exists(f"/dev/shm/convnet-ddp-{token}")  # the shared area's name went once every rank mapped it
+    assert not os.path.exists(
+        f"/dev/shm/convnet-ddp-{token}"
+    )  # the shared area's name went once every rank mapped it
     # The shards are the baseline's batch of 128, split between the ranks.
     assert sorted(torch.cat([r["indices"] for r in ranks]).tolist()) == sorted(first[0].tolist())
     for rank in ranks:
@@ -127,7 +134,9 @@ def wait_for_a_silent_peer(rank, world_size, port, out):
     """Rank 0 arrives at a gradient exchange that rank 1 never joins, as average() arrives at it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    averager = convnet_distributed.SharedMemoryAverager(convnet_distributed.ConvNet(), rank, world_size, timeout=1.0)
+    averager = convnet_distributed.SharedMemoryAverager(
+        convnet_distributed.ConvNet(), rank, world_size, timeout=1.0
+    )
     if rank == 0:
         averager.calls += 1
         averager.arrived[rank] = averager.calls
@@ -145,7 +154,7 @@ def wait_for_a_silent_peer(rank, world_size, port, out):
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the shared-memory exchange needs /dev/shm")
 @pytest.mark.alone
 def test_shared_memory_exchange_gives_up_on_a_silent_peer_after_the_timeout(tmp_path):
-    """The spin-wait is bounded like Gloo's: a rank that never sends its gradients is named after --timeout."""
+    """The spin-wait is bounded like Gloo's: a rank that never sends gradients is named after --timeout."""
     spawn_bounded(wait_for_a_silent_peer, (2, free_port(), str(tmp_path)), nprocs=2)
     result = torch.load(tmp_path / "rank0.pt")
     assert result["outcome"] == "no gradients from rank(s) [1]"
@@ -153,9 +162,9 @@ def test_shared_memory_exchange_gives_up_on_a_silent_peer_after_the_timeout(tmp_
 
 
 def free_running_steps(rank, world_size, port, out, steps):
-    """The script's own DDP set-up and train_epoch for `steps` steps, dropout on (its masks differ between ranks,
-    so do the ranks' own gradients), with no synchronisation between the steps but the averaging's own. Each
-    rank saves its parameters as they are after every step."""
+    """The script's own DDP set-up and train_epoch for `steps` steps, dropout on (its masks differ between
+    ranks, so do the ranks' own gradients), with no synchronisation between the steps but the averaging's own.
+    Each rank saves its parameters as they are after every step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -166,13 +175,18 @@ def free_running_steps(rank, world_size, port, out, steps):
     convnet_distributed.keep_pool_gradient_channels_last(model)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     history = []
-    optimizer.register_step_post_hook(lambda *_: history.append([p.detach().clone() for p in model.parameters()]))
+    optimizer.register_step_post_hook(
+        lambda *_: history.append([p.detach().clone() for p in model.parameters()])
+    )
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     batches = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:steps]
     if rank == world_size - 1:  # held back after every rank has arrived, as a busy core holds a process: the
         # others read the average and run on into the next step first
         wait_for_all = convnet_distributed.SharedMemoryAverager.wait_for_all
-        convnet_distributed.SharedMemoryAverager.wait_for_all = lambda self: (wait_for_all(self), time.sleep(0.03))
+        convnet_distributed.SharedMemoryAverager.wait_for_all = lambda self: (
+            wait_for_all(self),
+            time.sleep(0.03),
+        )
     ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches, 0, args)
@@ -184,9 +198,9 @@ def free_running_steps(rank, world_size, port, out, steps):
     platform.machine() not in ("x86_64", "AMD64"), reason="the script averages in shared memory on x86-64"
 )
 def test_shared_memory_average_keeps_every_copy_bit_for_bit_equal_step_after_step(tmp_path):
-    """4 ranks on 2 cores, 24 steps running free: a rank that finishes a step starts the next while others still
-    read the last gradients, so the averager's two areas are used in turn, and a slow rank is overtaken. After
-    every step every rank holds the same parameters, to the bit: a copy that drifted would stay apart."""
+    """4 ranks on 2 cores, 24 steps running free: a rank that finishes a step starts the next while others
+    still read the last gradients, so the averager's two areas are used in turn, and a slow rank is overtaken.
+    After every step every rank holds the same parameters, to the bit: a drifted copy would stay apart."""
     world_size, steps = 4, 24
     spawn_bounded(free_running_steps, (world_size, free_port(), str(tmp_path), steps), nprocs=world_size)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]

@@ -47,7 +47,9 @@ def workers(proc):
     """The rank processes a launch started (forked or spawned; not multiprocessing's resource tracker)."""
     deadline = time.monotonic() + 60
     while True:
-        found = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+        found = [
+            p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())
+        ]
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -116,7 +118,8 @@ def test_out_of_range_numbers_are_one_line_naming_the_flag(argv, flag, capsys, m
 
 def test_master_port_in_the_environment_that_is_not_a_number(tmp_path):
     result = finish(
-        launch("convnet_distributed.py", "--data-dir", tmp_path, env=script_env(MASTER_PORT="http")), timeout=60
+        launch("convnet_distributed.py", "--data-dir", tmp_path, env=script_env(MASTER_PORT="http")),
+        timeout=60,
     )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "MASTER_PORT='http'" in result.stderr
@@ -127,25 +130,29 @@ def test_master_port_in_the_environment_that_is_not_a_number(tmp_path):
 def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path):
     (tmp_path / "not-a-folder").write_text("")
     result = finish(
-        launch(script, "--data-dir", tmp_path / "not-a-folder", "--metrics-json", tmp_path / "missing" / "m.json"),
+        launch(
+            script, "--data-dir", tmp_path / "not-a-folder", "--metrics-json", tmp_path / "missing" / "m.json"
+        ),
         timeout=60,
     )
     assert result.returncode == 2 and result.stdout == ""
     # Two mistakes: the first found is named, in one line.
     missing = tmp_path / "missing"
-    assert result.stderr == f"{script}: error: --metrics-json: cannot write to folder {missing} (see --help)\n"
+    assert (
+        result.stderr == f"{script}: error: --metrics-json: cannot write to folder {missing} (see --help)\n"
+    )
     assert os.listdir(tmp_path) == ["not-a-folder"]  # nothing started: no download
 
 
 # Faults: the whole job ends, within a bound, saying why.
 
 
-# On the worker of test_a_killed_rank_stops_the_whole_job, which runs `alone`: it never waits for this one there.
+# On test_a_killed_rank_stops_the_whole_job's worker, which runs `alone`: it never waits for this one there.
 @pytest.mark.xdist_group("killed")
 @pytest.mark.alone
 def test_master_port_held_by_another_program(data_dir):
-    """A program that takes connections and never answers holds the port. The launcher finds it before any worker
-    starts: a worker already connected to that program waited in C++, deaf to SIGTERM, until killed 10 s later."""
+    """A program that takes connections and never answers holds the port. The launcher finds it before any
+    worker starts: a worker connected to it waited in C++, deaf to SIGTERM, until killed 10 s later."""
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
@@ -154,7 +161,9 @@ def test_master_port_held_by_another_program(data_dir):
         result, seconds = ended(proc, within=90)
     assert_clean_failure(result, f"127.0.0.1:{port}", "--master-port")
     assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert seconds < 30, seconds  # not --timeout, nor a stuck worker's kill: about 12 s on 2 cores, 40 s before
+    assert seconds < 30, (
+        seconds
+    )  # not --timeout, nor a stuck worker's kill: about 12 s on 2 cores, 40 s before
     assert left_running(proc.pid) == []
 
 
@@ -174,7 +183,7 @@ def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
     assert left_running(machine1.pid) == []
 
 
-@pytest.mark.alone  # under load, machine 1 once named its other rank's "lost contact" before the killed worker
+@pytest.mark.alone  # under load, machine 1 named its other rank's "lost contact" before the killed worker
 @pytest.mark.xdist_group("killed")
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
@@ -193,11 +202,13 @@ def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
 
 @pytest.mark.alone  # timed against --timeout
 def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_dir):
-    """A rank stopped, not dead (SIGSTOP: a debugger, a paused VM, a node swapping), mid-epoch: its sockets stay
-    open, so no peer hears a reset, and the others wait in the Gloo exchange. --timeout ends it on every machine,
-    each with one line, and the stopped rank is not left behind."""
+    """A rank stopped, not dead (SIGSTOP: a debugger, a paused VM, a node swapping), mid-epoch: its sockets
+    stay open, so no peer hears a reset, and the others wait in the Gloo exchange. --timeout ends it on every
+    machine, each with one line, and the stopped rank is not left behind."""
     timeout, port = 10, free_port()
-    machines = [job(data_dir, "--epochs", 50, machines=2, machine=m, port=port, timeout=timeout) for m in (0, 1)]
+    machines = [
+        job(data_dir, "--epochs", 50, machines=2, machine=m, port=port, timeout=timeout) for m in (0, 1)
+    ]
     wait_for_line(machines[0], "epoch: 0 [5/")
     workers(machines[1])[-1].suspend()  # SIGSTOP
     stopped = time.monotonic()
@@ -209,10 +220,12 @@ def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_d
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1, [x.stderr for x in results]
         line = lines[0]
-        assert r.returncode == 1 and line.startswith("error: rank ") and "lost contact with the job" in line, r.stderr
+        assert (
+            r.returncode == 1 and line.startswith("error: rank ") and "lost contact with the job" in line
+        ), r.stderr
         assert line.endswith(f"another process stopped, or did not answer within --timeout {timeout} s"), line
-    # Machine 0 waited --timeout, not much longer; machine 1 gives its stopped rank torch's 30 s to end on SIGTERM
-    # (which a stopped process does not act on) before it kills it.
+    # Machine 0 waited --timeout, not much longer; machine 1 gives its stopped rank torch's 30 s to end on
+    # SIGTERM (which a stopped process does not act on) before it kills it.
     assert timeout - 2 < seconds[0] < timeout + 20 and seconds[1] < timeout + 50, seconds
     assert [left_running(m.pid) for m in machines] == [[], []]
 
@@ -260,8 +273,8 @@ def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
 
 
 def last_complete_epoch(lines, result):
-    """The last epoch whose test line the run printed, before (lines) or after the stop: what its checkpoint holds.
-    The stop came in epoch 1 or later: at least epoch 0."""
+    """The last epoch whose test line the run printed, before (lines) or after the stop: what its checkpoint
+    holds. The stop came in epoch 1 or later: at least epoch 0."""
     output = [*lines, *result.stdout.splitlines()]
     return max(int(line.split()[3].rstrip(":")) for line in output if line.startswith("Test set, epoch "))
 
@@ -285,13 +298,15 @@ def assert_terminated(result, ck, seconds, pgid, lines):
     ],
 )
 @pytest.mark.alone
-def test_sigterm_stops_every_process_with_status_143_and_one_line(data_dir, tmp_path, script, processes, target):
-    """`kill PID`, `timeout`, docker stop and Kubernetes signal the launcher alone; `kill -TERM -PGID` and SLURM's
-    scancel signal every process. The launcher alone: test_a_run_stopped_by_sigterm_resumes_to_the_same_result."""
+def test_sigterm_stops_every_process_with_status_143_and_one_line(
+    data_dir, tmp_path, script, processes, target
+):
+    """`kill -TERM -PGID` and SLURM's scancel signal every process. (`kill PID`, `timeout`, docker stop and
+    Kubernetes signal the launcher alone: test_a_run_stopped_by_sigterm_resumes_to_the_same_result.)"""
     ck = tmp_path / "ck.pt"
     extra = [] if processes == 1 else ["--num-processes", processes, "--master-port", free_port()]
-    proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50, "--log-interval", 1,
-                  "--checkpoint", ck, *extra)  # fmt: skip
+    proc = launch(script, "--data-dir", data_dir, "--batch-size", 128 // processes, "--epochs", 50,
+                  "--log-interval", 1, "--checkpoint", ck, *extra)  # fmt: skip
     lines = wait_for_line(proc, "epoch: 1 [3/")  # epoch 0's checkpoint is written before epoch 1 starts
     if target == "group":
         os.killpg(proc.pid, signal.SIGTERM)
@@ -308,12 +323,16 @@ os.register_at_fork(after_in_{side}=lambda: os.kill(os.getpid(), signal.{name}))
 
 
 @pytest.mark.parametrize("side", ["child", "parent"])
-@pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
+@pytest.mark.parametrize(
+    "name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")]
+)
 @pytest.mark.alone
-def test_a_signal_as_the_workers_start_still_stops_the_run_cleanly(data_dir, tmp_path, side, name, status, line):
+def test_a_signal_as_the_workers_start_still_stops_the_run_cleanly(
+    data_dir, tmp_path, side, name, status, line
+):
     """A stop that comes as the workers are forked (scancel, or a job stopped as it starts) once went astray:
-    raised inside fork's own bookkeeping, it printed a traceback and the run trained on. A sitecustomize module
-    sends it to each forked worker the moment it exists ("child"), or to the launcher after each fork."""
+    raised inside fork's own bookkeeping, it printed a traceback and the run trained on. A sitecustomize
+    module sends it to each forked worker once it exists ("child"), or to the launcher after each fork."""
     (tmp_path / "sitecustomize.py").write_text(SIGNAL_AT_FORK.format(side=side, name=name))
     proc = job(data_dir, "--epochs", 50, env=script_env(PYTHONPATH=str(tmp_path)))
     result, seconds = ended(proc, within=60)
@@ -331,13 +350,15 @@ if "spawn_main" in " ".join(sys.orig_argv):  # a spawned worker, as its interpre
 """
 
 
-@pytest.mark.parametrize("name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")])
+@pytest.mark.parametrize(
+    "name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")]
+)
 @pytest.mark.alone
 def test_a_signal_as_spawned_workers_start_stops_the_run_cleanly(data_dir, tmp_path, name, status, line):
     """macOS, Windows and the GPU script spawn their workers, which take a second or more to start their
-    interpreter and import torch before their handlers are set: a Ctrl-C then once ended each in a "Fatal Python
-    error" and its traceback. Here a sitecustomize module spawns them, as on macOS, and each signals itself as its
-    interpreter starts."""
+    interpreter and import torch before their handlers are set: a Ctrl-C then once ended each in a "Fatal
+    Python error" and its traceback. Here a sitecustomize module spawns them, as on macOS, and each signals
+    itself as its interpreter starts."""
     (tmp_path / "sitecustomize.py").write_text(SPAWNED.format(name=name))
     proc = job(data_dir, "--epochs", 50, env=script_env(PYTHONPATH=str(tmp_path)))
     result, seconds = ended(proc, within=60)
@@ -357,14 +378,15 @@ if "-c" not in sys.orig_argv or "spawn_main" in " ".join(sys.orig_argv):  # the 
 
 
 @pytest.mark.parametrize(
-    "processes,spawn,outcome", [(1, False, "failed"), (2, False, "failed"), (2, True, "failed"), (2, True, "trained")]
+    "processes,spawn,outcome",
+    [(1, False, "failed"), (2, False, "failed"), (2, True, "failed"), (2, True, "trained")],
 )
 def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, processes, spawn, outcome):
-    """A process that keeps its Gloo group to the exit (leave_group) and then tears its interpreter down frees the
-    group's threads on the way: about 1 run in 20 then ended in "terminate called without an active exception"
-    (SIGABRT) instead of its own status. That was the launcher's sys.exit where it is the only worker (a
-    failure of a 1-process run), and every spawned worker. An atexit hook, which runs only in a teardown, names
-    the processes that went that way."""
+    """A process that keeps its Gloo group to the exit (worker) and then tears its interpreter down frees
+    the group's threads on the way: about 1 run in 20 then ended in "terminate called without an active
+    exception" (SIGABRT) instead of its own status. That was the launcher's sys.exit where it is the only
+    worker (a failure of a 1-process run), and every spawned worker. An atexit hook, which runs only in a
+    teardown, names the processes that went that way."""
     (tmp_path / "sitecustomize.py").write_text(TEARDOWN_WATCH.format(spawn=spawn))
     torn_down = tmp_path / "torn_down"
     ck = tmp_path / "ck.pt"
@@ -374,7 +396,9 @@ def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, proc
     result = finish(job(data_dir, "--checkpoint", ck, "--resume", processes=processes, env=env), 120)
     if outcome == "failed":
         assert result.returncode == 1, result.stderr
-        assert result.stderr == f"error: --resume: cannot read {ck} (EOFError): truncated or not a checkpoint\n"
+        assert (
+            result.stderr == f"error: --resume: cannot read {ck} (EOFError): truncated or not a checkpoint\n"
+        )
     else:
         assert result.returncode == 0 and ck.exists(), result.stderr
     assert not torn_down.exists(), f"processes torn down: {torn_down.read_text().split()}"
@@ -383,24 +407,32 @@ def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, proc
 @pytest.mark.alone
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()),
            os.path.join(REPO, "convnet_distributed.py"), "--data-dir", str(data_dir), "--batch-size", "64",
            "--epochs", "50", "--log-interval", "1", "--checkpoint", str(ck)]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
     )
     read = wait_for_line(proc, "epoch: 1 [3/")
     proc.send_signal(signal.SIGTERM)  # torchrun sends SIGTERM to each worker
     result, seconds = ended(proc, within=60)
     lines = [line for line in result.stderr.splitlines() if "Terminated (SIGTERM)" in line]
-    assert lines == [f"Terminated (SIGTERM): every process of this launch stopped; {ck} holds the last complete epoch"]
+    assert lines == [
+        f"Terminated (SIGTERM): every process of this launch stopped; {ck} holds the last complete epoch"
+    ]
     assert seconds < 30 and left_running(proc.pid) == []
     assert torch.load(ck, weights_only=True)["epoch"] == last_complete_epoch(read, result)
 
 
 def test_workers_stop_when_their_launcher_is_killed(data_dir):
-    """SIGKILL (or the out-of-memory killer) gives the launcher no chance to stop its workers: they notice. Started
-    as a script's background job, with SIGINT ignored, where torch's own parent-death signal (SIGINT) goes unheard."""
+    """SIGKILL (or the out-of-memory killer) gives the launcher no chance to stop its workers: they notice.
+    Started as a script's background job (SIGINT ignored), where torch's parent-death SIGINT goes unheard."""
     assert_workers_stop_when_their_launcher_is_killed(data_dir, script_env())
 
 
@@ -432,12 +464,14 @@ def assert_workers_stop_when_their_launcher_is_killed(data_dir, env):
 
 @pytest.mark.alone
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
-    """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it once died at once, and its workers
+    """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it died at once, and its workers
     trained on as orphans. Now every process stops, and a rerun with --resume ends as an unbroken run."""
     ck = tmp_path / "ck.pt"
 
     def run(*args, name):
-        return job(data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args)
+        return job(
+            data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args
+        )
 
     whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
     assert whole.returncode == 0, whole.stderr
@@ -483,14 +517,18 @@ convnet_distributed.write_atomically({str(ck)!r}, lambda f: f.write(b"x" * 10000
     writer.kill()
     writer.wait(timeout=30)
     assert torch.load(ck, weights_only=True) == {"epoch": 3}
-    assert [p.stat().st_size for p in tmp_path.glob(".tmp-*")] == [100000]  # it was killed mid-write, not before
+    assert [p.stat().st_size for p in tmp_path.glob(".tmp-*")] == [
+        100000
+    ]  # it was killed mid-write, not before
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
 
     def run(*args, name):
-        return job(data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args)
+        return job(
+            data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args
+        )
 
     whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
     assert whole.returncode == 0, whole.stderr
@@ -548,10 +586,12 @@ torch.optim.Adadelta = broken  # every rank meets it after joining its process g
     [("convnet_undistributed.py", 1, False), ("convnet_distributed.py", 1, False),
      ("convnet_distributed.py", 2, False), ("convnet_distributed.py", 2, True)],
 )  # fmt: skip
-def test_a_bug_in_a_rank_prints_its_traceback_and_leaves_at_once(data_dir, tmp_path, script, processes, spawn):
-    """An exception other than a stop or sys.exit skipped exit_at_once: the process tore its interpreter down with
-    its Gloo group kept (leave_group), which can abort it; in a worker, spawn's handler caught it and the launcher
-    printed its own traceback on top. Now each rank prints its traceback and leaves with status 1."""
+def test_a_bug_in_a_rank_prints_its_traceback_and_leaves_at_once(
+    data_dir, tmp_path, script, processes, spawn
+):
+    """An exception other than a stop or sys.exit skipped exit_at_once: the process tore its interpreter down
+    with its Gloo group kept (worker), which can abort it; in a worker, spawn's handler caught it and the
+    launcher printed its own traceback on top. Now each rank prints its traceback and leaves with status 1."""
     (tmp_path / "sitecustomize.py").write_text(BROKEN_OPTIMIZER + TEARDOWN_WATCH.format(spawn=spawn))
     torn_down = tmp_path / "torn_down"
     env = script_env(PYTHONPATH=str(tmp_path), TORN_DOWN=str(torn_down))

@@ -1,6 +1,7 @@
-"""What the scripts write, and what they leave behind: a full disk is one line and the file before stays whole;
-new files get the mode a plain open() gives; unpacking into a shared --data-dir takes a name of its own; the
-shared-memory averager's name goes even when its set-up fails; the interrupt line says what the checkpoint holds."""
+"""What the scripts write, and what they leave behind: a full disk is one line and the file before stays
+whole; new files get the mode a plain open() gives; unpacking into a shared --data-dir takes a name of its
+own; the shared-memory averager's name goes even when its set-up fails; the interrupt line says what the
+checkpoint holds."""
 
 import os
 import secrets
@@ -44,11 +45,13 @@ needs_mount = pytest.mark.skipif(not can_mount(), reason="needs root and unshare
 
 
 def on_a_small_disk(tmp_path, command, size, keep, prepare=""):
-    """Run command with tmp_path/disk a tmpfs of size; returns (result, names left on the disk, path of a copy of
-    the file keep as it was at the end, pgid)."""
+    """Run command with tmp_path/disk a tmpfs of size; returns (result, names left on the disk, path of a copy
+    of the file keep as it was at the end, pgid)."""
     disk, listing, kept = tmp_path / "disk", tmp_path / "listing", tmp_path / "kept"
     disk.mkdir()
-    shell = ON_A_SMALL_DISK.format(size=size, disk=disk, prepare=prepare, listing=listing, keep=keep, kept=kept)
+    shell = ON_A_SMALL_DISK.format(
+        size=size, disk=disk, prepare=prepare, listing=listing, keep=keep, kept=kept
+    )
     proc = subprocess.Popen(
         ["unshare", "-m", "--propagation", "private", "sh", "-c", shell, "sh", *map(str, command)],
         stdout=subprocess.PIPE,
@@ -71,7 +74,9 @@ def assert_one_line(result, path, cause="No space left on device"):
 
 
 @needs_mount
-def test_a_full_disk_stops_a_distributed_run_with_one_line_and_the_checkpoint_before_whole(data_dir, tmp_path):
+def test_a_full_disk_stops_a_distributed_run_with_one_line_and_the_checkpoint_before_whole(
+    data_dir, tmp_path
+):
     """2 processes, 2 epochs: epoch 0's checkpoint (3.6 MB) fits on a 5 MB disk, epoch 1's cannot be written
     beside it. Rank 0 once raised OSError (two tracebacks through the launcher) while rank 1 trained on."""
     ck = tmp_path / "disk" / "ck.pt"
@@ -108,8 +113,8 @@ import convnet_distributed_cuda as script
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 try:
-    script.save0(sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 MB of a 3 MB disk
-    script.save0(sys.argv[1], lambda f: f.write(b"second" * 400_000))  # cannot stand beside it
+    script.save_on_rank0(sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 MB of a 3 MB disk
+    script.save_on_rank0(sys.argv[1], lambda f: f.write(b"second" * 400_000))  # cannot stand beside it
 except SystemExit as e:  # leave as the script does: a teardown with the group alive can abort
     script.exit_at_once(e.code)
 """
@@ -117,7 +122,7 @@ except SystemExit as e:  # leave as the script does: a teardown with the group a
 
 @needs_mount
 def test_a_full_disk_in_the_gpu_script_is_one_line(tmp_path):
-    """Its save0 (the CPU script's, as test_model checks) on a world of one over Gloo: no GPU here."""
+    """Its save_on_rank0 (the CPU script's, as test_model checks) on a world of one over Gloo: no GPU here."""
     (tmp_path / "saves.py").write_text(GPU_SCRIPT_SAVES.format(repo=REPO, port=free_port()))
     ck = tmp_path / "disk" / "ck.pt"
     command = [sys.executable, tmp_path / "saves.py", ck]
@@ -128,11 +133,13 @@ def test_a_full_disk_in_the_gpu_script_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("script", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
 def test_files_written_get_the_mode_of_a_plain_open_and_keep_their_own(script, tmp_path, monkeypatch):
-    """NamedTemporaryFile once made every checkpoint and metrics file 0600: unreadable to teammates and evaluation
-    jobs on shared storage, and a file made readable lost it at the next epoch. And the folder is flushed."""
+    """NamedTemporaryFile once made every checkpoint and metrics file 0600: unreadable to teammates and
+    evaluation jobs on shared storage; a file made readable lost it next epoch. The folder is flushed."""
     synced = []
     fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd)
+    )
     old_umask = os.umask(0o027)
     try:
         path = tmp_path / "ck.pt"
@@ -166,8 +173,8 @@ def test_unpacking_beside_another_launch_of_the_same_pid_leaves_its_file_alone(t
 
 
 def set_up_averager_and_fail(rank, port, token, out):
-    """Rank 1 fails as it maps the averager's file (killed, out of memory, a timeout): rank 0 then fails too. Each
-    writes what it raised to out/rank{rank}."""
+    """Rank 1 fails as it maps the averager's file (killed, out of memory, a timeout): rank 0 then fails too.
+    Each writes what it raised to out/rank{rank}."""
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=5)
     )
@@ -186,13 +193,15 @@ def set_up_averager_and_fail(rank, port, token, out):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the averager works in /dev/shm")
 def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm(tmp_path):
-    """Rank 0 created /dev/shm/convnet-ddp-* and removed it only once every rank had mapped it: a rank that failed
-    or timed out in between left it there, and /dev/shm is memory."""
+    """Rank 0 created /dev/shm/convnet-ddp-* and removed it only once every rank had mapped it: a rank that
+    failed or timed out in between left it there, and /dev/shm is memory."""
     token = secrets.token_hex(8)
     spawn_bounded(set_up_averager_and_fail, (free_port(), token, str(tmp_path)), nprocs=2, timeout=60)
     assert not os.path.exists(f"/dev/shm/convnet-ddp-{token}")
     assert (tmp_path / "rank1").read_text() == "RuntimeError: rank 1 stopped"
-    rank0 = (tmp_path / "rank0").read_text()  # Gloo's error at the barrier rank 1 never reached: reset, or timed out
+    rank0 = (
+        tmp_path / "rank0"
+    ).read_text()  # Gloo's error at the barrier rank 1 never reached: reset, or timed out
     assert rank0.split(":")[0] in ("RuntimeError", "DistBackendError") and "gloo" in rank0, rank0
 
 
@@ -200,13 +209,20 @@ def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm(tmp_path):
     "script,extra,existing,words",
     [
         ("convnet_undistributed.py", [], False, "no epoch completed, so nothing was saved to {ck}"),
-        ("convnet_distributed.py", ["--num-processes", 2], True, "no epoch completed since this launch: {ck} is as"),
+        (
+            "convnet_distributed.py",
+            ["--num-processes", 2],
+            True,
+            "no epoch completed since this launch: {ck} is as",
+        ),
     ],
 )
 @pytest.mark.alone
-def test_the_interrupt_line_says_what_the_checkpoint_really_holds(data_dir, tmp_path, script, extra, existing, words):
-    """Stopped in its first epoch, a run once said "ck.pt holds the last complete epoch" of a file that did not
-    exist, or that an earlier run left."""
+def test_the_interrupt_line_says_what_the_checkpoint_really_holds(
+    data_dir, tmp_path, script, extra, existing, words
+):
+    """Stopped in its first epoch, a run once said "ck.pt holds the last complete epoch" of a file that did
+    not exist, or that an earlier run left."""
     ck = tmp_path / "ck.pt"
     if existing:
         ck.write_bytes(b"an earlier run's")
@@ -219,7 +235,9 @@ def test_the_interrupt_line_says_what_the_checkpoint_really_holds(data_dir, tmp_
     result = finish(proc, 60)
     assert result.returncode == 143 and time.monotonic() - started < 30, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
-    assert result.stderr.strip().endswith(words.format(ck=ck) + (" it was before" if existing else "")), result.stderr
+    assert result.stderr.strip().endswith(words.format(ck=ck) + (" it was before" if existing else "")), (
+        result.stderr
+    )
     assert ck.exists() == existing and (not existing or ck.read_bytes() == b"an earlier run's")
 
 
@@ -242,13 +260,19 @@ script.exit_at_once(0)
 """
 
 
-@pytest.mark.skipif(os.name != "posix", reason="C's stdio is reached through CDLL(None) on POSIX systems only")
-@pytest.mark.parametrize("module", ["convnet_undistributed", "convnet_distributed", "convnet_distributed_cuda"])
+@pytest.mark.skipif(
+    os.name != "posix", reason="C's stdio is reached through CDLL(None) on POSIX systems only"
+)
+@pytest.mark.parametrize(
+    "module", ["convnet_undistributed", "convnet_distributed", "convnet_distributed_cuda"]
+)
 def test_leaving_at_once_keeps_what_c_code_buffered_in_stdio(tmp_path, module):
-    """exit_at_once leaves by os._exit, which dropped C's stdio buffers: NCCL_DEBUG=INFO's log, sent to a file,
-    lost its last block."""
+    """exit_at_once leaves by os._exit, which dropped C's stdio buffers: NCCL_DEBUG=INFO's log, sent to a
+    file, lost its last block."""
     out = tmp_path / "out.txt"
-    env = {k: v for k, v in script_env().items() if k != "PYTHONUNBUFFERED"}  # -u makes C's stdout unbuffered too
+    env = {
+        k: v for k, v in script_env().items() if k != "PYTHONUNBUFFERED"
+    }  # -u makes C's stdout unbuffered too
     with open(out, "w") as f:
         result = subprocess.run(
             [sys.executable, "-c", C_PRINTF_THEN_EXIT.format(repo=REPO, module=module)],

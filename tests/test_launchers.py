@@ -2,8 +2,8 @@
 
 The first tests set each launcher's variables as it sets them and check the layout that launcher_layout() and
 parse_args() make of them; the launchers themselves run in tests/test_slurm.py (srun), here (mpirun) and
-tests/test_multihost.py (elastic torchrun). The last tests start real launches on this host that cannot make one
-job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
+tests/test_multihost.py (elastic torchrun). The last tests start real launches on this host that cannot make
+one job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
 """
 
 import contextlib
@@ -45,11 +45,14 @@ SRUN_2X2 = dict(SLURM_JOB_ID="4711", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_
 
 @pytest.mark.parametrize("module", SCRIPTS)
 def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkeypatch, module):
-    """Each task trained alone: four unrelated runs. The GPU script takes the task's own GPU, cuda:SLURM_LOCALID."""
+    """Each task trained alone: four unrelated runs. The GPU script gives each task cuda:SLURM_LOCALID."""
     args, processes = layout(module, monkeypatch, SRUN_2X2)
     assert (args.launcher, args.rank, args.local_rank, args.world_size) == ("SLURM", 3, 1, 4)
     assert (args.num_machines, args.machine_id, processes) == (2, 1, 2)
-    assert (args.master_addr, args.master_port) == ("node07", 15000 + (4711 * 97 + 0) % 17000)  # job 4711, step 0
+    assert (args.master_addr, args.master_port) == (
+        "node07",
+        15000 + (4711 * 97 + 0) % 17000,
+    )  # job 4711, step 0
     assert module.placement(args, args.local_rank) == (3, 4, 2)
     assert args.launch_note == "SLURM: 4 tasks on 2 nodes"
     assert args.threads == 4  # the 8 cores of this node shared by its 2 tasks
@@ -61,9 +64,9 @@ def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkey
 
 @pytest.mark.parametrize("module", SCRIPTS)
 def test_srun_steps_side_by_side_each_meet_on_their_own_first_node_and_port(clean_env, monkeypatch, module):
-    """A sweep's steps in one allocation (srun -N1 -n2 -r1 ... &): machine 0 was the job's first node, and the port
-    the job's, so a step on node08 went to node07's step. Now each step meets on its own first node, at its own port;
-    a given --master-port or --master-addr is taken (SLURM set neither: the script derived them)."""
+    """A sweep's steps in one allocation (srun -N1 -n2 -r1 ... &): machine 0 was the job's first node, and the
+    port the job's, so a step on node08 went to node07's step. Now each step meets on its own first node and
+    port; a given --master-port or --master-addr is used (SLURM sets neither: the script derives them)."""
     step1 = dict(SRUN_2X2, SLURM_STEP_ID="1", SLURM_STEP_NODELIST="node08", SLURM_STEP_NUM_NODES="1",
                  SLURM_NODEID="0", SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2",
                  SLURM_STEP_TASKS_PER_NODE="2")  # fmt: skip
@@ -74,15 +77,17 @@ def test_srun_steps_side_by_side_each_meet_on_their_own_first_node_and_port(clea
     assert step0[0] == "node07" and args.master_port != step0[1]
     assert args.launch_id == "4711/1"  # steps are launches of their own: each its own roll call
     ports = {layout(module, monkeypatch, dict(step1, SLURM_STEP_ID=str(s)))[0].master_port for s in range(50)}
-    ports |= {layout(module, monkeypatch, dict(step1, SLURM_JOB_ID="4712", SLURM_STEP_ID=str(s)))[0].master_port
-              for s in range(50)}  # fmt: skip
+    ports |= {
+        layout(module, monkeypatch, dict(step1, SLURM_JOB_ID="4712", SLURM_STEP_ID=str(s)))[0].master_port
+        for s in range(50)
+    }
     assert len(ports) == 100 and all(15000 <= p < 32768 for p in ports)  # below Linux's ephemeral ports
     args, _ = layout(module, monkeypatch, step1, ["--master-port", "29500", "--master-addr", "10.0.0.9"])
     assert (args.master_addr, args.master_port) == ("10.0.0.9", 29500)
 
 
 def test_a_flag_that_disagrees_with_torchrun_is_refused(clean_env, monkeypatch, capsys):
-    """torchrun serves its store at MASTER_ADDR:MASTER_PORT, which it set: a --master-port elsewhere cannot work."""
+    """torchrun serves its store at the MASTER_ADDR:MASTER_PORT it set: another --master-port cannot work."""
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT="29400")  # fmt: skip
     with pytest.raises(SystemExit) as exit:
@@ -92,12 +97,14 @@ def test_a_flag_that_disagrees_with_torchrun_is_refused(clean_env, monkeypatch, 
 
 
 def test_srun_gpus_per_task_gives_each_task_its_gpu(clean_env, monkeypatch):
-    """srun --ntasks-per-node 2 --gpus-per-task 1: each task sees one GPU, its own, as cuda:0. main() stopped with
-    'only 1 GPU(s) visible' (the tasks per node taken for GPUs wanted); now each task trains on its GPU."""
+    """srun --ntasks-per-node 2 --gpus-per-task 1: each task sees one GPU, its own, as cuda:0. main() stopped
+    with 'only 1 GPU(s) visible' (tasks per node taken for GPUs wanted); now each task trains on its GPU."""
     ran = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(convnet_distributed_cuda, "stop_on_signals", lambda ctrl_c: None)
-    monkeypatch.setattr(convnet_distributed_cuda, "worker", lambda local_rank, args, data: ran.append(local_rank))
+    monkeypatch.setattr(convnet_distributed_cuda, "raise_on_signals", lambda ctrl_c: None)
+    monkeypatch.setattr(
+        convnet_distributed_cuda, "worker", lambda local_rank, args, data: ran.append(local_rank)
+    )
     args, processes = layout(convnet_distributed_cuda, monkeypatch, SRUN_2X2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     convnet_distributed_cuda.main([])
@@ -115,7 +122,11 @@ def test_srun_with_uneven_tasks_per_node(clean_env, monkeypatch):
 def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, monkeypatch, capsys):
     """The SLURM recipe (docs/launching.md) without --num-machines and --machine-id: SLURM gives both."""
     env = dict(
-        SRUN_2X2, SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)"
+        SRUN_2X2,
+        SLURM_PROCID="1",
+        SLURM_LOCALID="0",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
     )
     args, _ = layout(convnet_distributed, monkeypatch, env, ["--num-processes", "4"])
     assert (args.launcher, args.rank, args.num_machines, args.machine_id, args.num_processes) == (
@@ -127,7 +138,9 @@ def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, mo
     )
     assert convnet_distributed.placement(args, 3) == (7, 8, 4) and args.threads == 2
     assert args.launch_note == "SLURM: 2 nodes, one task each"
-    args, _ = layout(convnet_distributed, monkeypatch, {}, ["--num-machines", "2", "--machine-id", "1"])  # explicit
+    args, _ = layout(
+        convnet_distributed, monkeypatch, {}, ["--num-machines", "2", "--machine-id", "1"]
+    )  # explicit
     assert (args.num_machines, args.machine_id) == (2, 1)
     with pytest.raises(SystemExit) as exit:
         layout(convnet_distributed, monkeypatch, {}, ["--machine-id", "0"])
@@ -136,8 +149,10 @@ def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, mo
 
 
 def test_a_shell_inside_an_allocation_is_not_a_slurm_launch(clean_env, monkeypatch):
-    """salloc, then python outside srun: the job's variables, none of a step's. One process, as on any machine."""
-    env = {k: v for k, v in SRUN_2X2.items() if not k.startswith(("SLURM_STEP", "SLURM_PROCID", "SLURM_LOCALID"))}
+    """salloc, then python outside srun: the job's variables, no step's. One process, as on any machine."""
+    env = {
+        k: v for k, v in SRUN_2X2.items() if not k.startswith(("SLURM_STEP", "SLURM_PROCID", "SLURM_LOCALID"))
+    }
     args, processes = layout(convnet_distributed, monkeypatch, env)
     assert (args.launcher, args.rank, args.num_machines, args.machine_id, processes) == (None, None, 1, 0, 1)
 
@@ -158,7 +173,11 @@ def test_mpi_ranks_are_one_group(clean_env, monkeypatch, capsys, module, env):
     args, processes = layout(module, monkeypatch, dict(env, MASTER_ADDR="node0"))
     assert (args.rank, args.local_rank, args.world_size, args.num_machines, args.machine_id, processes) == (
         3, 1, 4, 2, 1, 2)  # fmt: skip
-    assert args.master_addr == "node0" and args.launch_note.startswith("mpirun, ") and "4 ranks" in args.launch_note
+    assert (
+        args.master_addr == "node0"
+        and args.launch_note.startswith("mpirun, ")
+        and "4 ranks" in args.launch_note
+    )
     monkeypatch.delenv("MASTER_ADDR")
     with pytest.raises(SystemExit) as exit:
         layout(module, monkeypatch, {})
@@ -166,15 +185,17 @@ def test_mpi_ranks_are_one_group(clean_env, monkeypatch, capsys, module, env):
     assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert "runs this job on 2 machines: give machine 0's address as --master-addr or MASTER_ADDR" in err
     assert layout(module, monkeypatch, {}, ["--master-addr", "10.0.0.1"])[0].master_addr == "10.0.0.1"
-    one_machine = {name: value.replace("3", "1").replace("4", "2") for name, value in env.items()}  # 2 ranks, both here
+    one_machine = {
+        name: value.replace("3", "1").replace("4", "2") for name, value in env.items()
+    }  # 2 ranks, both here
     args, processes = layout(module, monkeypatch, one_machine)
     assert (args.master_addr, args.num_machines, args.machine_id, processes) == ("127.0.0.1", 1, 0, 2)
 
 
 @pytest.mark.parametrize("module", SCRIPTS)
 def test_open_mpi_5_launches_are_told_apart(clean_env, monkeypatch, module):
-    """Open MPI 5 sets no OMPI_MCA_orte_hnp_uri: two mpirun jobs on one port, with the same flags, had no launch id
-    and met as 'rank joined twice'. PMIx's namespace, set by Open MPI 4 and 5, names each mpirun."""
+    """Open MPI 5 sets no OMPI_MCA_orte_hnp_uri: two mpirun jobs on one port, with the same flags, had no
+    launch id and met as 'rank joined twice'. PMIx's namespace, set by Open MPI 4 and 5, names each mpirun."""
     env = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1",
                OMPI_COMM_WORLD_LOCAL_SIZE="2", PMIX_NAMESPACE="prterun-vm-4242@1")  # fmt: skip
     args, _ = layout(module, monkeypatch, env)
@@ -192,13 +213,16 @@ def test_open_mpi_5_launches_are_told_apart(clean_env, monkeypatch, module):
     ],
 )
 def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch, hosts, sizes, line):
-    """The machine index was rank // local size: under uneven or round-robin placement ranks disagreed on the number
-    of machines, or two claimed machine 0. Now rank 0 numbers the machines by host, in the order of their first
-    rank, and the first line counts them."""
+    """The machine index was rank // local size: under uneven or round-robin placement ranks disagreed on the
+    number of machines, or two claimed machine 0. Now rank 0 numbers the machines by host, in the order of
+    their first rank, and the first line counts them."""
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(len(hosts)), OMPI_COMM_WORLD_LOCAL_RANK="0",
                OMPI_COMM_WORLD_LOCAL_SIZE=str(sizes[0]), MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
-    records = [{"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same"} for r, h in enumerate(hosts)]
+    records = [
+        {"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same"}
+        for r, h in enumerate(hosts)
+    ]
     machine_of = convnet_distributed.count_machines(records, args)
     assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
     args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
@@ -207,16 +231,18 @@ def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch,
 
 
 def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch):
-    """Under MPI the machines were told apart by host name alone: two hosts named alike (containers, cloned VMs)
-    counted as one, and their ranks averaged their gradients in a /dev/shm neither shared. The kernel's boot and
-    the network namespace tell them apart."""
+    """Under MPI the machines were told apart by host name alone: two hosts named alike (containers, cloned
+    VMs) counted as one, and their ranks averaged their gradients in a /dev/shm neither shared. The kernel's
+    boot and the network namespace tell them apart."""
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
                OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
     mine = convnet_distributed.machine_identity()
     assert mine.startswith(f"{socket.gethostname()} ") and "net:[" in mine
     boxes = [mine, mine, mine.replace("net:[", "net:[9"), mine.replace("net:[", "net:[9")]
-    records = [{"rank": r, "host": "node", "box": b, "machine": 0, "script": "same"} for r, b in enumerate(boxes)]
+    records = [
+        {"rank": r, "host": "node", "box": b, "machine": 0, "script": "same"} for r, b in enumerate(boxes)
+    ]
     assert convnet_distributed.count_machines(records, args) == [0, 0, 1, 1]
 
 
@@ -230,9 +256,9 @@ def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
 
 
 def test_plain_rank_and_world_size_take_the_first_gpu_of_their_own(clean_env, monkeypatch):
-    """RANK and WORLD_SIZE with no local rank: each launch is a machine of its own (a Kubeflow pod, its own GPUs), so
-    local rank 0, cuda:0 of the GPUs it sees. rank % GPU count would be wrong across machines: it assumes each runs
-    as many processes as it has GPUs, in blocks. A launcher's own local rank wins (torchrun, srun, mpirun)."""
+    """RANK and WORLD_SIZE with no local rank: each launch is a machine of its own (a Kubeflow pod, its own
+    GPUs), so local rank 0, cuda:0 of the GPUs it sees. rank % GPU count would be wrong across machines: it
+    assumes one process per GPU on each, in blocks. A launcher's local rank wins (torchrun, srun, mpirun)."""
     args, processes = layout(convnet_distributed_cuda, monkeypatch, dict(RANK="5", WORLD_SIZE="8"))
     assert (args.local_rank, processes, args.machine_id) == (0, 1, 5)
     args, _ = layout(convnet_distributed_cuda, monkeypatch, dict(LOCAL_RANK="3", LOCAL_WORLD_SIZE="4"))
@@ -255,8 +281,8 @@ def test_a_launcher_variable_that_is_not_a_number_is_one_line(clean_env, monkeyp
     assert exit.value.code == 2 and "SLURM set SLURM_PROCID='three', which is not a whole number" in err, err
 
 
-# The rendezvous: launches on this host that cannot make one job. Each ends within seconds, not --timeout. Those
-# that form no group run with --check, which makes the group as a real run would without loading the data first.
+# The rendezvous: launches on this host that cannot make one job. Each ends within seconds, not --timeout.
+# Those that form no group run with --check, which makes the group as a real run would but loads no data.
 TIMEOUT = 60  # the launches' --timeout: every mistake below must be named long before it
 WITHIN = 30  # seconds from start to the last exit (start-up and data loading included; about 5 s on 2 cores)
 
@@ -279,27 +305,31 @@ def run_together(procs):
 
 @pytest.mark.timeout(WITHIN + 120)
 def test_a_machine_id_given_twice_stops_every_machine_with_one_line(data_dir):
-    """Two launches as machine 1 of 3: the count of arrivals was met (or would have been), and machine 0 blamed
-    the network after --timeout. Now the second claim of rank 1 stops the whole job, each machine saying why."""
+    """Two launches as machine 1 of 3: the count of arrivals was met (or would have been); machine 0 blamed
+    the network after --timeout. Now the second claim of rank 1 stops the job, each machine saying why."""
     port = free_port()
     procs = [
-        job(data_dir, "--check", processes=1, machines=3, machine=m, port=port, timeout=TIMEOUT) for m in (0, 1, 1)
+        job(data_dir, "--check", processes=1, machines=3, machine=m, port=port, timeout=TIMEOUT)
+        for m in (0, 1, 1)
     ]
     results, seconds = run_together(procs)
-    one_line_each(results, "error: rank 1 joined twice, from machine 1 on ", "give each machine its own --machine-id")
+    one_line_each(
+        results, "error: rank 1 joined twice, from machine 1 on ", "give each machine its own --machine-id"
+    )
     assert seconds < WITHIN, seconds
 
 
 @pytest.mark.timeout(WITHIN + 120)
 @pytest.mark.parametrize("flags", [("--num-processes", 1), ("--num-machines", 3)])
 def test_machines_that_disagree_on_the_layout_stop_with_one_line(data_dir, flags):
-    """Machine 1 started with another --num-processes (or --num-machines): the side with the smaller world went
-    ahead and the other waited. Now both stop at once, naming the flag that differs."""
+    """Machine 1 started with another --num-processes (or --num-machines): the side with the smaller world
+    went ahead and the other waited. Now both stop at once, naming the flag that differs."""
     port = free_port()
     machine0 = job(data_dir, "--check", processes=2, machines=2, machine=0, port=port, timeout=TIMEOUT)
     machine1 = launch(
-        "convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--num-machines", 2, "--machine-id",
-        1, "--batch-size", 32, "--log-interval", 1, "--master-port", port, "--timeout", TIMEOUT, "--check", *flags,
+        "convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--num-machines", 2,
+        "--machine-id", 1, "--batch-size", 32, "--log-interval", 1, "--master-port", port,
+        "--timeout", TIMEOUT, "--check", *flags,
     )  # fmt: skip
     results, seconds = run_together([machine0, machine1])
     one_line_each(results, "error: the machines disagree on the layout: machine 0 ", flags[0])
@@ -308,11 +338,21 @@ def test_machines_that_disagree_on_the_layout_stop_with_one_line(data_dir, flags
 
 @pytest.mark.timeout(3 * WITHIN + 120)
 def test_two_jobs_started_at_once_on_one_port_one_trains_the_other_stops(data_dir, tmp_path):
-    """A parameter sweep started two jobs on one host and the default port: the losing job's rank 0 stopped, but
-    its rank 1 could join the winner's rendezvous. Now exactly one trains, as usual; the other stops with one line."""
+    """A parameter sweep started two jobs on one host and the default port: the losing job's rank 0 stopped,
+    but its rank 1 could join the winner's rendezvous. Now one trains; the other stops with one line."""
     port = free_port()
     procs = [
-        job(data_dir, "--metrics-json", tmp_path / f"{lr}.json", "--lr", lr, "--epochs", 1, port=port, timeout=TIMEOUT)
+        job(
+            data_dir,
+            "--metrics-json",
+            tmp_path / f"{lr}.json",
+            "--lr",
+            lr,
+            "--epochs",
+            1,
+            port=port,
+            timeout=TIMEOUT,
+        )
         for lr in ("0.5", "0.4")
     ]
     results = [finish(p, timeout=3 * WITHIN + 60) for p in procs]
@@ -328,31 +368,37 @@ def test_two_jobs_started_at_once_on_one_port_one_trains_the_other_stops(data_di
 
 @pytest.mark.timeout(3 * WITHIN + 120)
 def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
-    """The same, made certain: job A's machine 0 serves the port and waits for its machine 1; then a process of
-    another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) comes, and after it A's machine 1. The stranger
-    used to count as A's missing process, and A formed its group with it. Now it stops with one line, and A forms
-    its group of 2 (--check: the group is what is tested here; the test above trains)."""
+    """The same, made certain: job A's machine 0 serves the port and waits for its machine 1; then a process
+    of another job (rank 1 of RANK/WORLD_SIZE launches, another --lr) comes, and after it A's machine 1. The
+    stranger used to count as A's missing process, and A formed its group with it. Now it stops with one line,
+    and A forms its group of 2 (--check: the group is what is tested here; the test above trains)."""
     port = free_port()
     a0 = job(data_dir, "--check", processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT)
     deadline = time.monotonic() + WITHIN + 30
-    while time.monotonic() < deadline and a0.poll() is None:  # until A's rank 0 has claimed the job in its store
+    while (
+        time.monotonic() < deadline and a0.poll() is None
+    ):  # until A's rank 0 has claimed the job in its store
         with contextlib.suppress(RuntimeError):
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WITHIN))
             if store.check(["job"]):
                 break
         time.sleep(0.1)
     env = script_env(RANK="1", WORLD_SIZE="2", MASTER_PORT=str(port))
-    stranger = job(data_dir, "--check", "--lr", "0.4", processes=1, machines=2, machine=1, timeout=TIMEOUT, port=port,
-                   env=env)  # fmt: skip
+    stranger = job(data_dir, "--check", "--lr", "0.4", processes=1, machines=2, machine=1, timeout=TIMEOUT,
+                   port=port, env=env)  # fmt: skip
     stranger_result = finish(stranger, timeout=WITHIN + 30)
     a1 = job(data_dir, "--check", processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
     results = [finish(p, timeout=3 * WITHIN + 60) for p in (a0, a1)] + [stranger_result]
     assert all(left_running(p.pid) == [] for p in (a0, a1, stranger))
     assert [r.returncode for r in results] == [0, 0, 1], [r.stderr for r in results]
     lines = results[2].stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: 127.0.0.1:{port} is another job's rendezvous"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: 127.0.0.1:{port} is another job's rendezvous"), (
+        lines
+    )
     assert "--lr 0.5; this one --lr 0.4" in lines[0], lines
-    assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout, results[0].stdout
+    assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout, results[
+        0
+    ].stdout
     assert results[2].stdout == ""
 
 
@@ -361,8 +407,8 @@ MPI_SECONDS = 120  # one mpirun job of 2 ranks; about 10 s on 2 cores
 
 @pytest.mark.timeout(MPI_SECONDS + 60)
 def test_mpirun_np_2_on_one_host_trains_as_one_group(data_dir, tmp_path):
-    """Open MPI's mpirun -np 2 (Debian's openmpi-bin): each rank trained alone. Now one group of 2, no MPI library
-    loaded, machine 0 on loopback."""
+    """Open MPI's mpirun -np 2 (Debian's openmpi-bin): each rank trained alone. Now one group of 2, no MPI
+    library loaded, machine 0 on loopback."""
     if not shutil.which("mpirun"):
         pytest.skip("needs mpirun (Debian: apt-get install openmpi-bin)")
     env = script_env(

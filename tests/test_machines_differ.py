@@ -1,5 +1,5 @@
-"""Machines that run different code: another model or another torch stops every machine with one line naming both
-sides; another copy of the script whose flags, model and torch agree trains, with a warning naming the machine."""
+"""Machines that run different code: another model or torch stops every machine with one line naming both
+sides; another copy of the script whose flags, model and torch agree trains; a warning names the machine."""
 
 import os
 import socket
@@ -22,7 +22,10 @@ def check_job(script, data_dir, port, machine, env=None):
 def run_two(data_dir, script1="convnet_distributed.py", env1=None):
     """Machine 0 runs the script; machine 1 runs script1, in env1."""
     port = free_port()
-    procs = [check_job("convnet_distributed.py", data_dir, port, 0), check_job(script1, data_dir, port, 1, env1)]
+    procs = [
+        check_job("convnet_distributed.py", data_dir, port, 0),
+        check_job(script1, data_dir, port, 1, env1),
+    ]
     results = [finish(p, timeout=120) for p in procs]
     assert [left_running(p.pid) for p in procs] == [[], []]
     return results
@@ -47,14 +50,20 @@ def assert_both_stop_with(results, line):
 def test_another_model_stops_every_machine_naming_the_first_parameter_that_differs(data_dir, tmp_path):
     copy = copy_of_the_script(
         tmp_path,
-        "self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool\n        self.fc2 = nn.Linear(64, 10)",
-        "self.fc1 = nn.Linear(4608, 32)  # 32 channels x 12 x 12 after the pool\n        self.fc2 = nn.Linear(32, 10)",
+        (
+            "self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool\n"
+            "        self.fc2 = nn.Linear(64, 10)"
+        ),
+        (
+            "self.fc1 = nn.Linear(4608, 32)  # 32 channels x 12 x 12 after the pool\n"
+            "        self.fc2 = nn.Linear(32, 10)"
+        ),
     )
     results = run_two(data_dir, copy)
     assert_both_stop_with(
         results,
-        f"error: the machines disagree on the model: machine 0 ({HOST}) has fc1.weight 64x4608; machine 1 ({HOST}) "
-        "has fc1.weight 32x4608: run one copy of the script on every machine",
+        f"error: the machines disagree on the model: machine 0 ({HOST}) has fc1.weight 64x4608; "
+        f"machine 1 ({HOST}) has fc1.weight 32x4608: run one copy of the script on every machine",
     )
 
 
@@ -64,18 +73,21 @@ def test_another_torch_version_stops_every_machine_naming_both(data_dir, tmp_pat
     ours = torch.__version__.split("+")[0]
     assert_both_stop_with(
         results,
-        f"error: the machines disagree on torch: machine 0 ({HOST}) has torch {ours}; machine 1 ({HOST}) has torch "
-        "2.99.0: install one torch version on every machine",
+        f"error: the machines disagree on torch: machine 0 ({HOST}) has torch {ours}; "
+        f"machine 1 ({HOST}) has torch 2.99.0: install one torch version on every machine",
     )
 
 
 def test_another_copy_of_the_script_trains_with_a_warning_naming_its_machine(data_dir, tmp_path):
-    copy = copy_of_the_script(tmp_path, "\nimport argparse\n", "\n# a copy edited on machine 1\nimport argparse\n")
+    copy = copy_of_the_script(
+        tmp_path, "\nimport argparse\n", "\n# a copy edited on machine 1\nimport argparse\n"
+    )
     results = run_two(data_dir, copy)
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     assert results[0].stderr == (
-        f"warning: machine 1 ({HOST}) runs another convnet_distributed.py than machine 0 ({HOST}): its flags, model "
-        "and torch agree, so the job goes on; copy one script to every machine to be sure they compute the same\n"
+        f"warning: machine 1 ({HOST}) runs another convnet_distributed.py than machine 0 ({HOST}): "
+        "its flags, model and torch agree, so the job goes on; copy one script to every machine to be sure "
+        "they compute the same\n"
     )
     assert results[1].stderr == ""
 

@@ -1,6 +1,6 @@
 """Two "machines" that really are two: network namespaces joined by a veth pair, each with its own address,
-its own host name (a UTS namespace) and its own hosts file (/etc/netns/NAME/hosts, which `ip netns exec` mounts
-over /etc/hosts).
+its own host name (a UTS namespace) and its own hosts file (/etc/netns/NAME/hosts, which `ip netns exec`
+mounts over /etc/hosts).
 
 Over loopback (tests/test_training.py) every process shares 127.0.0.1, so a job can pass there and still fail
 between real hosts. The common such failure: machine 0's hosts file maps its own name to loopback (Debian and
@@ -27,8 +27,8 @@ import torch
 
 from conftest import N_TEST, REPO, read_json, script_env
 
-# On one pytest-xdist worker with the other tests that make network namespaces (tests/test_compress.py checks that
-# `ip netns list` is the same before and after its benchmark).
+# On one pytest-xdist worker with the other tests that make network namespaces (tests/test_compress.py checks
+# that `ip netns list` is the same before and after its benchmark).
 pytestmark = pytest.mark.xdist_group("netns")
 
 SCRIPT = os.path.join(REPO, "convnet_distributed.py")
@@ -60,7 +60,7 @@ class Network:
         return netns_pids(self.ns_a) + netns_pids(self.ns_b)
 
     def hosts_files(self):
-        """Each machine maps its own name to 127.0.1.1 (Debian's default) and the other's to its veth address."""
+        """Each machine maps its own name to 127.0.1.1 (Debian's default), the other's to its veth address."""
         loopback = "127.0.0.1 localhost\n::1 localhost ip6-localhost\n"
         return {
             self.ns_a: f"{loopback}127.0.1.1 node0\n{self.addr_b} node1\n",
@@ -92,7 +92,7 @@ def remove_namespaces(names):
 
 
 def make_network(ipv6=False):
-    """The two namespaces, with IPv4 addresses or with IPv6 addresses only; removed, and checked empty, after."""
+    """The two namespaces, with IPv4 addresses or IPv6 only; removed, and checked empty, after."""
     if not shutil.which("ip") or not shutil.which("unshare"):
         pytest.skip("needs the `ip` command (iproute2) and `unshare` (util-linux) to make the two hosts")
     if os.geteuid() != 0:
@@ -113,7 +113,20 @@ def make_network(ipv6=False):
                 pytest.skip(f"cannot make a network namespace (ip netns add {ns}): {result.stderr.strip()}")
             made.append(ns)
         steps = [
-            ("link", "add", net.if_a, "netns", net.ns_a, "type", "veth", "peer", "name", net.if_b, "netns", net.ns_b)
+            (
+                "link",
+                "add",
+                net.if_a,
+                "netns",
+                net.ns_a,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                net.if_b,
+                "netns",
+                net.ns_b,
+            )
         ]
         for ns, name, addr in ((net.ns_a, net.if_a, net.addr_a), (net.ns_b, net.if_b, net.addr_b)):
             steps += [
@@ -178,7 +191,11 @@ class Machine:
 
     def result(self):
         return Result(
-            self.label, self.proc.returncode, self.out.read_text(), self.err.read_text(), time.monotonic() - self.start
+            self.label,
+            self.proc.returncode,
+            self.out.read_text(),
+            self.err.read_text(),
+            time.monotonic() - self.start,
         )
 
 
@@ -209,12 +226,14 @@ def finish_all(machines, timeout):
         results[m] = m.result()
     results = [results[m] for m in machines]
     if overran:
-        pytest.fail(f"{', '.join(m.label for m in overran)} still running after {timeout} s\n{describe(results)}")
+        pytest.fail(
+            f"{', '.join(m.label for m in overran)} still running after {timeout} s\n{describe(results)}"
+        )
     return results
 
 
 def assert_namespaces_empty(net):
-    """Nothing outlives the job: no worker, no torchrun agent, no resource tracker (given a moment to exit)."""
+    """Nothing outlives the job: no worker, torchrun agent or resource tracker (given a moment to exit)."""
     deadline = time.monotonic() + 5
     while net.pids() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -255,7 +274,8 @@ def launch_machines(net, folder, env, argv_of, label="machine"):
     env is one environment for both, or a list of one per machine."""
     envs = env if isinstance(env, list) else [env, env]
     return [
-        Machine(f"{label}{i}", ns, argv_of(i), envs[i], folder, f"node{i}") for i, ns in enumerate((net.ns_a, net.ns_b))
+        Machine(f"{label}{i}", ns, argv_of(i), envs[i], folder, f"node{i}")
+        for i, ns in enumerate((net.ns_a, net.ns_b))
     ]
 
 
@@ -277,8 +297,8 @@ def script_machines(net, port, data_dir, folder, env, timeout=PEER_TIMEOUT, mast
 
 
 def torchrun_machines(net, data_dir, folder, rendezvous, metrics_on=(0,)):
-    """torchrun on each machine, 2 processes each, with the given rendezvous flags; the machines in metrics_on are
-    given --metrics-json (machine 0 alone, as users do, where it is known to host rank 0)."""
+    """torchrun on each machine, 2 processes each, with the given rendezvous flags; the machines in metrics_on
+    are given --metrics-json (machine 0 alone, as users do, where it is known to host rank 0)."""
     return launch_machines(
         net,
         folder,
@@ -326,7 +346,8 @@ def check_trained_together(net, results, folder):
     for line in machine_lines(net):
         assert line in lines, describe(results)
     assert not any(
-        line.startswith(("epoch: ", "Test set", "Finished training")) for line in results[1].stdout.splitlines()
+        line.startswith(("epoch: ", "Test set", "Finished training"))
+        for line in results[1].stdout.splitlines()
     ), results[1].stdout
     assert not (folder / "m1.json").exists()
     assert_namespaces_empty(net)
@@ -335,7 +356,7 @@ def check_trained_together(net, results, folder):
 @pytest.mark.timeout(RUN_SECONDS + 60)
 def test_script_launch_across_two_hosts_by_name(network, data_dir, tmp_path):
     """The script's own launch, once per machine, --master-addr node0: one group of 4 ranks, though node0 maps
-    its own name to 127.0.1.1. GLOO_SOCKET_IFNAME is not set: the script finds the interface on each machine."""
+    its own name to 127.0.1.1. GLOO_SOCKET_IFNAME is not set: the script finds each machine's interface."""
     machines = script_machines(network, random_port(), data_dir, tmp_path, env_without_interface())
     check_trained_together(network, finish_all(machines, RUN_SECONDS), tmp_path)
 
@@ -345,7 +366,10 @@ def test_torchrun_static_across_two_hosts_by_name(network, data_dir, tmp_path):
     """torchrun on each machine, static rendezvous on node0's TCPStore at --master-addr:--master-port."""
     port = random_port()
     machines = torchrun_machines(
-        network, data_dir, tmp_path, lambda i: ["--node-rank", i, "--master-addr", "node0", "--master-port", port]
+        network,
+        data_dir,
+        tmp_path,
+        lambda i: ["--node-rank", i, "--master-addr", "node0", "--master-port", port],
     )
     check_trained_together(network, finish_all(machines, RUN_SECONDS), tmp_path)
 
@@ -368,8 +392,13 @@ def test_torchrun_c10d_across_two_hosts(network, data_dir, tmp_path):
     assert not (tmp_path / f"m{1 - first}.json").exists()
     check_metrics(tmp_path / f"m{first}.json", 4)
     lines = results[first].stdout.splitlines()
-    for host, interface, address in (("node0", network.if_a, network.addr_a), ("node1", network.if_b, network.addr_b)):
-        assert any(f"({host}): 2 processes, Gloo on {interface} {address}" in line for line in lines), describe(results)
+    for host, interface, address in (
+        ("node0", network.if_a, network.addr_a),
+        ("node1", network.if_b, network.addr_b),
+    ):
+        assert any(f"({host}): 2 processes, Gloo on {interface} {address}" in line for line in lines), (
+            describe(results)
+        )
     assert_namespaces_empty(network)
 
 
@@ -394,12 +423,19 @@ CHECK_SECONDS = 60  # a check makes the group and averages once: seconds, not an
 @pytest.mark.timeout(CHECK_SECONDS + 60)
 def test_check_makes_the_group_and_reports_each_machine(network, data_dir, tmp_path):
     """--check with the launch commands of a real run: one line per machine, then exit 0, no training."""
-    machines = script_machines(network, random_port(), data_dir, tmp_path, env_without_interface(), extra=["--check"])
+    machines = script_machines(
+        network, random_port(), data_dir, tmp_path, env_without_interface(), extra=["--check"]
+    )
     results = finish_all(machines, CHECK_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
     lines = results[0].stdout.splitlines()
-    assert lines[:-1] == [*machine_lines(network), "Check passed: 4 processes on 2 machines reached each other"], lines
-    assert lines[-1].startswith("Network: averaging the gradients (1.2 MB) takes ~"), lines  # what a step will cost
+    assert lines[:-1] == [
+        *machine_lines(network),
+        "Check passed: 4 processes on 2 machines reached each other",
+    ], lines
+    assert lines[-1].startswith("Network: averaging the gradients (1.2 MB) takes ~"), (
+        lines
+    )  # what a step will cost
     assert results[1].stdout == ""
     assert not any((tmp_path / f"m{i}.json").exists() for i in range(2))  # nothing trained
     assert_namespaces_empty(network)
@@ -418,66 +454,82 @@ def test_wrong_gloo_socket_ifname_is_a_clear_error(network, data_dir, tmp_path, 
         ip("-n", ns, "link", "set", "noaddr0", "up")
     env = env_without_interface()
     env["GLOO_SOCKET_IFNAME"] = ifname
-    machines = script_machines(network, random_port(), data_dir, tmp_path, env, timeout=2 * WRONG_IFNAME_SECONDS)
+    machines = script_machines(
+        network, random_port(), data_dir, tmp_path, env, timeout=2 * WRONG_IFNAME_SECONDS
+    )
     results = finish_all(machines, WRONG_IFNAME_SECONDS)
     for r, interface in zip(results, (network.if_a, network.if_b)):
         assert r.returncode == 1, describe(results)
         errors = r.stderr.strip().splitlines()
-        assert errors == [errors[0]] and errors[0].startswith(f"error: GLOO_SOCKET_IFNAME={ifname}: "), describe([r])
+        assert errors == [errors[0]] and errors[0].startswith(f"error: GLOO_SOCKET_IFNAME={ifname}: "), (
+            describe([r])
+        )
         assert interface in errors[0], describe([r])  # names the interfaces it could have used
         assert "epoch: " not in r.stdout
     assert not (tmp_path / "m0.json").exists()
     assert_namespaces_empty(network)
 
 
-REFUSED_TIMEOUT = 60  # the peers' --timeout here: Gloo on machine 0 would wait 5 x that for connections that never come
+REFUSED_TIMEOUT = (
+    60  # the peers' --timeout here: Gloo on machine 0 would wait 5 x that for connections that never come
+)
 
 
 @pytest.mark.timeout(RUN_SECONDS + 60)
 def test_gloo_connection_refused_is_one_line_on_every_machine(network, data_dir, tmp_path):
-    """Machine 0 told to use loopback (GLOO_SOCKET_IFNAME=lo): machine 1's Gloo connections are refused at once.
-    Machine 0's Gloo waited 5 x --timeout for machine 1's processes, long gone; now both machines end within seconds
-    with machine 1's line, one per machine, no traceback, nothing left running."""
+    """Machine 0 told to use loopback (GLOO_SOCKET_IFNAME=lo): machine 1's Gloo connections are refused at
+    once. Machine 0's Gloo waited 5 x --timeout for machine 1's processes, long gone; now both machines end
+    within seconds with machine 1's line, one per machine, no traceback, nothing left running."""
     env0, env1 = env_without_interface(), env_without_interface()
     env0["GLOO_SOCKET_IFNAME"] = "lo"
-    machines = script_machines(network, random_port(), data_dir, tmp_path, [env0, env1], timeout=REFUSED_TIMEOUT)
+    machines = script_machines(
+        network, random_port(), data_dir, tmp_path, [env0, env1], timeout=REFUSED_TIMEOUT
+    )
     results = finish_all(machines, RUN_SECONDS)
     for r in results:
         assert r.returncode == 1 and r.seconds < REFUSED_TIMEOUT, describe(results)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: rank "), describe([r])
-        assert "Gloo cannot connect the processes" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]  # what to do
+        assert (
+            "Gloo cannot connect the processes" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]
+        )  # what to do
         assert "epoch: " not in r.stdout
     assert_namespaces_empty(network)
 
 
-FIREWALL_SECONDS = 30  # start-up, the roll call and a few seconds' check; Gloo waited out the SYN retries: 139 s
+FIREWALL_SECONDS = (
+    30  # start-up, the roll call and a few seconds' check; Gloo waited out the SYN retries: 139 s
+)
 
 
 @pytest.mark.timeout(FIREWALL_SECONDS + 60)
 @pytest.mark.parametrize("walled", [(0, 1), (1,)])
-def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(network, data_dir, tmp_path, walled):
-    """The walled machines drop every new incoming TCP connection but those to machine 0's --master-port, as users do
-    when told to "open the port". The rendezvous worked, then Gloo's connections waited out the kernel's SYN retries,
-    whatever --timeout. Now each machine names which cannot reach which, and where, within seconds of the roll call:
-    where machine 1 alone is walled, machine 0 finds it, and machine 1 says machine 0's line, though machine 0 serves
-    the store and goes first."""
+def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(
+    network, data_dir, tmp_path, walled
+):
+    """The walled machines drop every new incoming TCP connection but those to machine 0's --master-port, as
+    users do when told to "open the port". The rendezvous worked, then Gloo's connections waited out the
+    kernel's SYN retries, whatever --timeout. Now each machine names which cannot reach which, and where,
+    within seconds of the roll call: where machine 1 alone is walled, machine 0 finds it, and machine 1 says
+    machine 0's line, though machine 0 serves the store and goes first."""
     if not shutil.which("iptables"):
         pytest.skip("needs iptables (Debian: apt-get install iptables)")
     port = random_port()
     for ns in ((network.ns_a, network.ns_b)[m] for m in walled):
         rules = [["-i", "lo", "-j", "ACCEPT"], ["-p", "tcp", "--syn", "!", "--dport", port, "-j", "DROP"]]
         for rule in rules:
-            subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *map(str, rule)], check=True)
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *map(str, rule)], check=True
+            )
     machines = script_machines(
         network, port, data_dir, tmp_path, env_without_interface(), timeout=300, extra=["--check"]
     )
     results = finish_all(machines, FIREWALL_SECONDS)
     named = re.compile(
         rf"error: machine (0|1) \(node\1\) cannot reach machine (?!\1)(0|1) \(node\2\) at "
-        rf"({re.escape(network.addr_a)}|{re.escape(network.addr_b)}) port \d+ \(timed out\), though it reaches the "
-        "rendezvous: open all TCP ports between the machines, or set GLOO_SOCKET_IFNAME on each to the interface "
-        "that reaches them"
+        rf"({re.escape(network.addr_a)}|{re.escape(network.addr_b)}) port \d+ \(timed out\), "
+        "though it reaches the rendezvous: open all TCP ports between the machines, or set "
+        "GLOO_SOCKET_IFNAME on each to the interface that reaches them"
     )
     for r in results:
         lines = r.stderr.strip().splitlines()
@@ -493,15 +545,17 @@ def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(ne
 
 def listening_addresses(ns):
     """The local address:port of every listening TCP socket in namespace ns."""
-    result = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tlnH"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-tlnH"], capture_output=True, text=True, timeout=30
+    )
     return {line.split()[3] for line in result.stdout.splitlines() if line.strip()}
 
 
 @pytest.mark.timeout(RUN_SECONDS + 60)
 def test_a_job_on_one_machine_listens_on_loopback_only(network, data_dir, tmp_path):
-    """2 processes on one machine whose name resolves to its network address, as on most hosts but Debian's: the
-    rendezvous and Gloo, which carry no authentication, listen on loopback only, never where another machine of
-    the network reaches them. Before, the rendezvous listened on every interface and Gloo on the name's address."""
+    """2 processes on one machine whose name resolves to its network address, as on most hosts but Debian's:
+    the rendezvous and Gloo, which carry no authentication, listen on loopback only, out of other machines'
+    reach. Before, the rendezvous listened on every interface and Gloo on the name's address."""
     with open(f"/etc/netns/{network.ns_a}/hosts", "w") as f:
         f.write(f"127.0.0.1 localhost\n{network.addr_a} node0\n")
     port = random_port()
@@ -523,12 +577,21 @@ def test_a_job_on_one_machine_listens_on_loopback_only(network, data_dir, tmp_pa
 @pytest.mark.parametrize("label", [None, "1"])
 def test_machine_0_reached_at_its_secondary_address(network, data_dir, tmp_path, label):
     """Machine 1 reaches machine 0 at a second address of its interface (a cloud's second IP, a keepalived
-    floating address), added plainly or under an alias label (ip addr add ... label eth0:1). Each address of an
-    interface was not listed, only the first, and machine 0 stopped with a false "a NAT between them?". Gloo
-    listens on the first address of the interface, or on the alias's, which GLOO_SOCKET_IFNAME takes too."""
+    floating address), added plainly or under an alias label (ip addr add ... label eth0:1). Only the first
+    address of an interface was listed, and machine 0 stopped with a false "a NAT between them?". Gloo
+    listens on the first address of the interface, or on the alias's, which GLOO_SOCKET_IFNAME also takes."""
     secondary = str(ipaddress.ip_address(network.addr_a) + 100)
     alias = f"{network.if_a}:{label}" if label else None
-    ip("-n", network.ns_a, "addr", "add", f"{secondary}/24", "dev", network.if_a, *(["label", alias] if alias else []))
+    ip(
+        "-n",
+        network.ns_a,
+        "addr",
+        "add",
+        f"{secondary}/24",
+        "dev",
+        network.if_a,
+        *(["label", alias] if alias else []),
+    )
     machines = script_machines(
         network,
         random_port(),
@@ -540,9 +603,15 @@ def test_machine_0_reached_at_its_secondary_address(network, data_dir, tmp_path,
     )
     results = finish_all(machines, CHECK_SECONDS)
     assert [r.returncode for r in results] == [0, 0], describe(results)
-    machine0 = f"Machine 0 (node0): 2 processes, Gloo on {alias} {secondary}" if alias else machine_lines(network)[0]
+    machine0 = (
+        f"Machine 0 (node0): 2 processes, Gloo on {alias} {secondary}" if alias else machine_lines(network)[0]
+    )
     lines = results[0].stdout.splitlines()
-    check = [machine0, machine_lines(network)[1], "Check passed: 4 processes on 2 machines reached each other"]
+    check = [
+        machine0,
+        machine_lines(network)[1],
+        "Check passed: 4 processes on 2 machines reached each other",
+    ]
     assert lines[:-1] == check and lines[-1].startswith("Network: averaging the gradients"), lines
 
 
@@ -552,9 +621,9 @@ ELASTIC_EPOCHS = 3
 
 @pytest.mark.timeout(ELASTIC_SECONDS + 60)
 def test_elastic_torchrun_carries_on_without_a_node_that_died(network, data_dir, tmp_path):
-    """torchrun --nnodes 1:2 --max-restarts 3 on both hosts, with --checkpoint --resume. After the first checkpoint
-    every process of node1 is killed outright: node0's rank notices (its Gloo connection is reset), torchrun restarts
-    it in a group of one, and it carries on from the last complete epoch to the end, naming the restart."""
+    """torchrun --nnodes 1:2 --max-restarts 3 on both hosts, with --checkpoint --resume. After the first
+    checkpoint every process of node1 is killed outright: node0's rank notices (its Gloo connection is reset),
+    torchrun restarts it in a group of one, which resumes from the last complete epoch, naming the restart."""
     endpoint, job, ck = f"node0:{random_port()}", secrets.token_hex(4), tmp_path / "ck.pt"
     machines = launch_machines(
         network,
@@ -564,7 +633,15 @@ def test_elastic_torchrun_carries_on_without_a_node_that_died(network, data_dir,
             *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", 1],
             *["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", 3],
             *["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", 0.5],
-            *[SCRIPT, *common_args(data_dir, timeout=30), "--epochs", ELASTIC_EPOCHS, "--checkpoint", ck, "--resume"],
+            *[
+                SCRIPT,
+                *common_args(data_dir, timeout=30),
+                "--epochs",
+                ELASTIC_EPOCHS,
+                "--checkpoint",
+                ck,
+                "--resume",
+            ],
             *["--metrics-json", tmp_path / "m.json", "--threads", 1],
         ],
         label="torchrun",
@@ -597,10 +674,10 @@ GROW_EPOCHS = 40  # enough that node1 joins while node0 is still training: about
 
 @pytest.mark.timeout(ELASTIC_SECONDS + 60)
 def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
-    """torchrun --nnodes 1:2 on node0 alone trains in a group of one; node1 starts after the first checkpoint, and
-    node0's agent restarts its worker into a group of two, which resumes from the last complete epoch and finishes
-    together. A membership change keeps torchrun's restart count, so the group of two must not meet the group of
-    one's keys in the store."""
+    """torchrun --nnodes 1:2 on node0 alone trains in a group of one; node1 starts after the first checkpoint,
+    and node0's agent restarts its worker into a group of two, which resumes from the last complete epoch and
+    finishes together. A membership change keeps torchrun's restart count, so the group of two must not meet
+    the group of one's keys in the store."""
     endpoint, job, ck = f"node0:{random_port()}", secrets.token_hex(4), tmp_path / "ck.pt"
 
     def argv(i):
@@ -608,12 +685,20 @@ def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
             *[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", 1],
             *["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", 3],
             *["--rdzv-conf", "last_call_timeout=1", "--monitor-interval", 0.5],
-            *[SCRIPT, *common_args(data_dir, timeout=30), "--epochs", GROW_EPOCHS, "--checkpoint", ck, "--resume"],
+            *[
+                SCRIPT,
+                *common_args(data_dir, timeout=30),
+                "--epochs",
+                GROW_EPOCHS,
+                "--checkpoint",
+                ck,
+                "--resume",
+            ],
             *["--metrics-json", tmp_path / "m.json", "--threads", 1],
         ]
 
-    # torch's agents share one TCP store and publish machine 0's address only at their first rendezvous: a node
-    # joining later waits for it forever (torch 2.14). docs/launching.md tells users to set this for a group that grows.
+    # torch's agents share one TCP store and publish machine 0's address only at their first rendezvous: a
+    # node joining later waits for it forever (torch 2.14). docs/launching.md sets this for a growing group.
     env = {**env_without_interface(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     node0 = Machine("torchrun0", network.ns_a, argv(0), env, tmp_path, "node0")
     deadline = time.monotonic() + ELASTIC_SECONDS
@@ -626,13 +711,21 @@ def test_elastic_torchrun_grows_when_a_node_joins(network, data_dir, tmp_path):
     assert (first.returncode, second.returncode) == (0, 0), describe([first, second])
     lines = first.stdout.splitlines()
     alone = [n for n, line in enumerate(lines) if line.startswith("World size 1 = 1 machine x 1 process;")]
-    together = [n for n, line in enumerate(lines) if line.startswith("World size 2 = 2 machines x 1 process;")]
+    together = [
+        n for n, line in enumerate(lines) if line.startswith("World size 2 = 2 machines x 1 process;")
+    ]
     assert alone and together and alone[0] < together[-1], describe([first, second])
-    assert lines[together[-1]].endswith("(torchrun)"), describe([first, second])  # grown, not restarted after a failure
-    # None of the scripts' lines; torch's agent may log that it could not shut the rendezvous of a node gone first.
+    assert lines[together[-1]].endswith("(torchrun)"), describe(
+        [first, second]
+    )  # grown, not restarted after a failure
+    # None of the scripts' lines; torch's agent may log that it could not shut a rendezvous whose host left.
     stderr = (first.stderr + second.stderr).splitlines()
-    assert not [line for line in stderr if line.startswith("error") or "Traceback" in line], describe([first, second])
-    resumed = [line for line in lines[alone[0] : together[-1]] if line.startswith(f"Resuming from {ck}: epoch ")]
+    assert not [line for line in stderr if line.startswith("error") or "Traceback" in line], describe(
+        [first, second]
+    )
+    resumed = [
+        line for line in lines[alone[0] : together[-1]] if line.startswith(f"Resuming from {ck}: epoch ")
+    ]
     assert resumed, describe([first, second])
     m = read_json(tmp_path / "m.json")
     assert m["world_size"] == 2 and m["test_samples"] == N_TEST and m["test_accuracy"] > 0.8, m
@@ -647,15 +740,25 @@ COPIED_SECONDS = 40  # start-up and the roll call; well under the --timeout of 1
 
 @pytest.mark.timeout(COPIED_SECONDS + 60)
 def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, data_dir, tmp_path):
-    """Machine 0's command copied to machine 1, --machine-id 0 and all: the count of arrivals was met, and machine 0
-    failed after --timeout blaming the network and firewall. Now each machine says what is wrong, in one line."""
+    """Machine 0's command copied to machine 1, --machine-id 0 and all: the count of arrivals was met, and
+    machine 0 failed after --timeout, blaming the network. Now each machine says what is wrong in one line."""
     port = random_port()
     machines = launch_machines(
         network,
         tmp_path,
         env_without_interface(),
         lambda i: [
-            *[sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", 0, "--num-processes", 2, "--check"],
+            *[
+                sys.executable,
+                SCRIPT,
+                "--num-machines",
+                2,
+                "--machine-id",
+                0,
+                "--num-processes",
+                2,
+                "--check",
+            ],
             *["--master-addr", "node0", "--master-port", port, "--timeout", 120],
         ],
     )
@@ -674,21 +777,24 @@ MPI_SECONDS = 120  # one mpirun job of 4 ranks on two hosts; about 20 s on 2 cor
 
 @pytest.mark.timeout(2 * MPI_SECONDS + 60)
 def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
-    """The mpirun line of docs/launching.md, -H node0:2,node1:2: Open MPI starts node1's daemon through its rsh
-    agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's address every
-    rank stops with one line and nothing trains; with -x MASTER_ADDR=node0 the 4 ranks are one group."""
+    """The mpirun line of docs/launching.md, -H node0:2,node1:2: Open MPI starts node1's daemon through its
+    rsh agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's
+    address every rank stops with one line, nothing trained; with -x MASTER_ADDR=node0, one group of 4."""
     if not shutil.which("mpirun"):
         pytest.skip("needs mpirun (Debian: apt-get install openmpi-bin)")
     agent = tmp_path / "agent.sh"
     agent.write_text(
         "#!/bin/sh\n"
-        "# Open MPI's rsh agent, called as: agent HOST COMMAND...; the host is a namespace with its own name.\n"
+        "# Open MPI's rsh agent, called as: agent HOST COMMAND...; "
+        "the host is a namespace with its own name.\n"
         f'case "$1" in node0) ns={network.ns_a};; node1) ns={network.ns_b};; *) exit 1;; esac\n'
         'host="$1"; shift\n'
         'exec ip netns exec "$ns" unshare --uts sh -c "hostname $host; $*"\n'
     )
     agent.chmod(0o755)
-    env = script_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_plm_rsh_agent=str(agent))
+    env = script_env(
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_plm_rsh_agent=str(agent)
+    )
     env.pop("GLOO_SOCKET_IFNAME", None)
     port = random_port()
 
@@ -721,19 +827,34 @@ def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
     assert m["allreduce"] == "gloo"  # across machines
     assert_namespaces_empty(network)
 
-    # Uneven slots, then round-robin placement: the machine index was rank // local size, so the ranks disagreed on
-    # the machines (a wrong "same --num-machines" line) or two claimed machine 0. Now the roll call counts by host.
+    # Uneven slots, then round-robin placement: the machine index was rank // local size, so the ranks
+    # disagreed on the machines (a wrong "same --num-machines" line) or two claimed machine 0. Now the roll
+    # call counts by host.
     for label, placement, sizes, first in (
-        ("uneven", ["-np", 3, "-H", "node0:2,node1:1"], (2, 1), "World size 3 = 2 machines (2 + 1 processes);"),
-        ("cyclic", ["-np", 4, "-H", "node0:2,node1:2", "--map-by", "node"], (2, 2), "World size 4 = 2 machines x 2"),
+        (
+            "uneven",
+            ["-np", 3, "-H", "node0:2,node1:1"],
+            (2, 1),
+            "World size 3 = 2 machines (2 + 1 processes);",
+        ),
+        (
+            "cyclic",
+            ["-np", 4, "-H", "node0:2,node1:2", "--map-by", "node"],
+            (2, 2),
+            "World size 4 = 2 machines x 2",
+        ),
     ):
         argv = ["mpirun", *placement, "-x", "MASTER_ADDR=node0", "-x", f"MASTER_PORT={port}"]
         argv += [sys.executable, SCRIPT, *common_args(data_dir), "--metrics-json", tmp_path / f"{label}.json"]
         run = finish_all([Machine(label, network.ns_a, argv, env, tmp_path, "node0")], MPI_SECONDS)[0]
         assert run.returncode == 0, describe([run])
         lines = run.stdout.splitlines()
-        assert next(line for line in lines if line.startswith("World size")).startswith(first), describe([run])
+        assert next(line for line in lines if line.startswith("World size")).startswith(first), describe(
+            [run]
+        )
         for machine, (host, count) in enumerate(zip(("node0", "node1"), sizes)):
-            assert any(line.startswith(f"Machine {machine} ({host}): {count} process") for line in lines), lines
+            assert any(line.startswith(f"Machine {machine} ({host}): {count} process") for line in lines), (
+                lines
+            )
         check_metrics(tmp_path / f"{label}.json", sum(sizes))
         assert_namespaces_empty(network)

@@ -41,10 +41,12 @@ def test_interface_addresses_lists_ipv4_before_ipv6():
     "value", [b"node1", b"10.0.0.2 99999 node1", b"\xff\xfe 4242 node1", b"10.0.0.2 1 " + b"x" * 300]
 )
 def test_a_bad_value_for_the_reachability_check_is_one_line(clean_env, value):
-    """What machine 1 published for the check, read by machine 0, is not an address, a port and a host (another
-    program, another version of the script): one line naming the machine, never a traceback."""
+    """What machine 1 published for the check, read by machine 0, is not an address, a port and a host
+    (another program, another version of the script): one line naming the machine, never a traceback."""
     port = free_port()
-    args = convnet_distributed.parse_args(["--num-machines", "2", "--num-processes", "1", "--master-port", str(port)])
+    args = convnet_distributed.parse_args(
+        ["--num-machines", "2", "--num-processes", "1", "--master-port", str(port)]
+    )
     store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
     store.set("probe/1", value)
     with pytest.raises(SystemExit) as exited:
@@ -99,17 +101,25 @@ def test_torchrun_c10d_rendezvous_on_one_node(data_dir, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_check_under_torchrun_makes_the_group_and_exits(tmp_path):
-    """--check with torchrun's launch: the group is made and averages once; no data is needed, nothing trains."""
+    """--check with torchrun's launch: the group is made and averages once; no data needed, nothing trains."""
     proc = torchrun(
         "--standalone",
         "--nproc-per-node",
         2,
-        script_args=["--check", "--data-dir", tmp_path / "no-data-here", "--metrics-json", tmp_path / "m.json"],
+        script_args=[
+            "--check",
+            "--data-dir",
+            tmp_path / "no-data-here",
+            "--metrics-json",
+            tmp_path / "m.json",
+        ],
     )
     result = finish(proc, 90)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("Machine 0 (") and ": 2 processes, Gloo on " in lines[0], lines
+    assert len(lines) == 2 and lines[0].startswith("Machine 0 (") and ": 2 processes, Gloo on " in lines[0], (
+        lines
+    )
     assert lines[1] == "Check passed: 2 processes on 1 machine reached each other"
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "no-data-here").exists()
 
@@ -144,7 +154,8 @@ def test_two_machines_downloading_into_one_shared_folder(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {REPO!r}); from torchvision import datasets; "
         f"datasets.MNIST.mirrors = ['http://127.0.0.1:{server.server_address[1]}/']; "
-        f"datasets.MNIST.resources = {resources!r}; import convnet_distributed; convnet_distributed.main(sys.argv[1:])"
+        f"datasets.MNIST.resources = {resources!r}; "
+        "import convnet_distributed; convnet_distributed.main(sys.argv[1:])"
     )
     sizes = {name: len(data) for name, data in files.items()}
     for name in FILES:
@@ -168,7 +179,17 @@ def test_two_machines_downloading_into_one_shared_folder(tmp_path):
     try:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", code, "--data-dir", shared, "--batch-size", "128", "--log-interval", "1000"]
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    "--data-dir",
+                    shared,
+                    "--batch-size",
+                    "128",
+                    "--log-interval",
+                    "1000",
+                ]
                 + ["--master-port", str(free_port()), "--metrics-json", tmp_path / f"m{i}.json"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -205,7 +226,9 @@ def test_a_system_that_cannot_list_its_interfaces_leaves_gloo_its_own_choice(cle
     convnet_distributed.check_gloo_socket_ifname()
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     store = {}
-    fake_store = type("Store", (), {"set": lambda self, k, v: store.__setitem__(k, v), "get": lambda self, k: store[k]})
+    fake_store = type(
+        "Store", (), {"set": lambda self, k, v: store.__setitem__(k, v), "get": lambda self, k: store[k]}
+    )
     args = convnet_distributed.parse_args(["--master-port", "1"])
     convnet_distributed.choose_gloo_interface(fake_store(), 0, 1, args)
     assert "machine/0" in store and os.environ["GLOO_SOCKET_IFNAME"] == ""  # Gloo's own choice

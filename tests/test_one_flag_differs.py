@@ -1,10 +1,10 @@
 """One job, one decision: two machines whose commands differ in one flag, as users' commands do.
 
 Users give the file flags to machine 0 alone, and add a flag on one machine and not the other. Every option of
-build_parser() is walked, so that a new flag is covered as it is added: machine 1 differs from machine 0 in that
-flag alone, and the job either trains as one group, with the files written where machine 0 asked, or every
-launch stops within seconds with one line naming the flag, and nothing is left running. Which outcome is the
-script's own classification (JOB_FLAGS must agree, RANK0_FLAGS are rank 0's, MACHINE_FLAGS each machine's).
+build_parser() is walked, so that a new flag is covered as it is added: machine 1 differs from machine 0 in
+that flag alone, and the job either trains as one group, with the files written where machine 0 asked, or
+every launch stops within seconds with one line naming the flag, and nothing is left running. The script's
+own classification says which (JOB_FLAGS must agree, RANK0_FLAGS are rank 0's, MACHINE_FLAGS each machine's).
 """
 
 import argparse
@@ -20,9 +20,12 @@ from test_faults import left_running
 
 TIMEOUT = 60  # each launch's --timeout: a mistake must be named long before it
 WITHIN = 30  # seconds from the start to the last exit of a job that must stop (start-up included)
-N_TRAIN, N_TEST = 512, 100  # 4 steps an epoch per machine: the group and the files are the point, not accuracy
-# Where the outcome is not the class's: machine 1 pointed at another port waits for a machine 0 that is not there,
-# so both launches wait --timeout (a short one here) and name the flag; machine 1 without --machine-id claims rank 0.
+N_TRAIN, N_TEST = (
+    512,
+    100,
+)  # 4 steps an epoch per machine: the group and the files are the point, not accuracy
+# Where the outcome is not the class's: machine 1 pointed at another port waits for an absent machine 0, so
+# both launches wait --timeout (short here) and name the flag; machine 1 without --machine-id claims rank 0.
 SPECIAL = {"master_port": ("stops", "--master-port"), "machine_id": ("stops", "--machine-id")}
 
 
@@ -58,7 +61,10 @@ def expected(module, dest):
     if dest in SPECIAL:
         return SPECIAL[dest]
     if dest in module.JOB_FLAGS:
-        return "stops", f"error: the machines disagree on {'the layout' if dest in module.JOB_FLAGS[:4] else ''}"
+        return (
+            "stops",
+            f"error: the machines disagree on {'the layout' if dest in module.JOB_FLAGS[:4] else ''}",
+        )
     if dest in module.RANK0_FLAGS or dest in module.MACHINE_FLAGS:
         return "trains", None
     raise AssertionError(f"{dest}: add it to JOB_FLAGS, RANK0_FLAGS or MACHINE_FLAGS in both scripts")
@@ -82,13 +88,14 @@ def flags():
 @pytest.mark.timeout(TIMEOUT + 2 * WITHIN)
 @pytest.mark.parametrize("flag", flags())
 def test_machine_1_differs_in_one_flag(tmp_path, flag):
-    """Machine 0 writes the metrics and a checkpoint (its command alone has the flags); machine 1 differs in flag."""
+    """Machine 0 alone has the metrics and checkpoint flags, and writes both; machine 1 differs in flag."""
     action = next(a for a in options(convnet_distributed) if a.option_strings[0] == flag)
     for folder in ("MNIST", "FashionMNIST"):
         write_dataset(str(tmp_path / "data"), folder=folder, n_train=N_TRAIN, n_test=N_TEST)
     port, timeout = free_port(), 8 if action.dest == "master_port" else TIMEOUT
     common = ["--data-dir", tmp_path / "data", "--num-machines", 2, "--num-processes", 1, "--batch-size", 64,
-              "--master-port", port, "--timeout", timeout, "--threads", 1, "--log-interval", 1000]  # fmt: skip
+              "--master-port", port, "--timeout", timeout, "--threads", 1,
+              "--log-interval", 1000]  # fmt: skip
     extra = another_value(action, tmp_path, common)
     outcome, phrase = expected(convnet_distributed, action.dest)
     files = ["--metrics-json", tmp_path / "m.json", "--checkpoint", tmp_path / "ck.pt"]
@@ -104,13 +111,19 @@ def test_machine_1_differs_in_one_flag(tmp_path, flag):
     if outcome == "trains":
         assert [r.returncode for r in results] == [0, 0], said
         metrics = read_json(tmp_path / "m.json")
-        assert metrics["world_size"] == 2 and metrics["test_samples"] == N_TEST and metrics["epochs_trained"] == 1
+        assert (
+            metrics["world_size"] == 2
+            and metrics["test_samples"] == N_TEST
+            and metrics["epochs_trained"] == 1
+        )
         assert (tmp_path / "ck.pt").exists() and not (tmp_path / "nowhere").exists()
         assert "Finished training in" in results[0].stdout and results[1].stdout == "", said
         assert results[0].stderr == "", said
         if action.dest in convnet_distributed.RANK0_FLAGS:  # machine 1's own is named as unused, in one line
             (line,) = results[1].stderr.strip().splitlines()
-            assert line.startswith("warning: machine 1 ") and f"{flag}" in line and "not used here" in line, said
+            assert line.startswith("warning: machine 1 ") and f"{flag}" in line and "not used here" in line, (
+                said
+            )
         else:
             assert results[1].stderr == "", said
         return

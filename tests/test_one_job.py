@@ -1,6 +1,6 @@
-"""One job, whatever runs beside it: a sweep of jobs on one host, a launch on a port another job holds, machines
-whose data or script differ, and a stranger who writes into the rendezvous store. Each job that can train trains;
-each launch that cannot stops within seconds with one line, and nothing is left running."""
+"""One job, whatever runs beside it: a sweep of jobs on one host, a launch on a port another job holds,
+machines whose data or script differ, and a stranger who writes into the rendezvous store. Each job that can
+train trains; each launch that cannot stops within seconds with one line, and nothing is left running."""
 
 import datetime
 import json
@@ -34,7 +34,9 @@ def store_of(port, key, proc, within=WITHIN):
     deadline = time.monotonic() + within
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=within))
+            store = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=within)
+            )
             store.wait([key], datetime.timedelta(seconds=max(1, deadline - time.monotonic())))
             return store
         except (RuntimeError, dist.DistError):
@@ -54,8 +56,8 @@ def single_lines(results):
 
 
 def test_three_jobs_started_at_once_with_no_port_all_train(data_dir, tmp_path):
-    """for lr in ...; do python convnet_distributed.py --lr $lr & done: every job took port 8892 and two of three
-    stopped ('rank 0 joined twice', 'cannot serve the rendezvous'). Now each takes a free port of its own."""
+    """for lr in ...; do python convnet_distributed.py --lr $lr & done: every job took port 8892 and two of
+    three stopped ('rank 0 joined twice', 'cannot serve the rendezvous'). Now each takes its own free port."""
     rates = ("0.5", "0.6", "0.7")
     procs = [sweep_job(data_dir, "--lr", lr, "--metrics-json", tmp_path / f"{lr}.json") for lr in rates]
     results = [finish(p, timeout=3 * WITHIN + 60) for p in procs]
@@ -68,13 +70,17 @@ def test_three_jobs_started_at_once_with_no_port_all_train(data_dir, tmp_path):
 
 
 def test_a_launch_on_a_port_another_job_holds_stops_alone_naming_it(data_dir, tmp_path):
-    """A second launch on the port of a job that was training stopped that job ('rank 0 joined twice'). Now the
-    job trains on, untouched, and the second launch stops within seconds, naming the process that holds the port."""
+    """A second launch on the port of a job that was training stopped that job ('rank 0 joined twice'). Now
+    the job trains on, untouched, and the second launch stops within seconds, naming the port's holder."""
     port = free_port()
-    first = job(data_dir, "--epochs", 12, "--metrics-json", tmp_path / "first.json", port=port, timeout=TIMEOUT)
+    first = job(
+        data_dir, "--epochs", 12, "--metrics-json", tmp_path / "first.json", port=port, timeout=TIMEOUT
+    )
     store_of(port, "ready", first)
     start = time.monotonic()
-    second = job(data_dir, "--lr", "0.4", "--metrics-json", tmp_path / "second.json", port=port, timeout=TIMEOUT)
+    second = job(
+        data_dir, "--lr", "0.4", "--metrics-json", tmp_path / "second.json", port=port, timeout=TIMEOUT
+    )
     (line,) = single_lines([finish(second, timeout=WITHIN + 30)])
     assert time.monotonic() - start < WITHIN and first.poll() is None  # the first job still trains
     assert f"cannot serve the rendezvous on 127.0.0.1:{port}" in line and f"pid {first.pid} (" in line, line
@@ -90,16 +96,18 @@ def test_a_launch_on_a_port_another_job_holds_stops_alone_naming_it(data_dir, tm
 @pytest.mark.parametrize("flags, phrase", [(["--lr", "0.4"], "the machines disagree on --lr"),
                                           ([], "rank 1 joined twice")])  # fmt: skip
 def test_a_late_launch_stops_alone_once_the_job_is_ready(data_dir, tmp_path, flags, phrase):
-    """A launch as machine 1 of a job that had formed (a command run twice, or with another flag) stopped every
-    process of that job. Now, once every process has checked in, it stops alone, and the job trains on."""
+    """A launch as machine 1 of a job that had formed (a command run twice, or with another flag) stopped
+    every process of that job. Now, once every process has checked in, it stops alone; the job trains on."""
     port = free_port()
     machines = [
-        job(data_dir, "--epochs", 12, "--metrics-json", tmp_path / "m.json", processes=1, machines=2, machine=m,
-            port=port, timeout=TIMEOUT)
+        job(data_dir, "--epochs", 12, "--metrics-json", tmp_path / "m.json", processes=1, machines=2,
+            machine=m, port=port, timeout=TIMEOUT)
         for m in (0, 1)
     ]  # fmt: skip
     store_of(port, "ready", machines[0])
-    late = job(data_dir, "--epochs", 12, *flags, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
+    late = job(
+        data_dir, "--epochs", 12, *flags, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT
+    )
     (line,) = single_lines([finish(late, timeout=WITHIN + 30)])
     assert phrase in line and machines[0].poll() is None, line
     results = [finish(m, timeout=3 * WITHIN + 60) for m in machines]
@@ -109,8 +117,8 @@ def test_a_late_launch_stops_alone_once_the_job_is_ready(data_dir, tmp_path, fla
 
 
 def test_machines_whose_data_differ_stop_before_training(data_dir, tmp_path):
-    """Machine 1's copy of the training labels shifted by one class, every file still parsing: the job trained on
-    two data sets and said nothing. Now both machines stop before the first step, naming the files that differ."""
+    """Machine 1's copy of the training labels shifted by one class, every file still parsing: the job trained
+    on two data sets, silently. Now both machines stop before the first step, naming the files that differ."""
     other = write_dataset(str(tmp_path / "other"))
     labels = os.path.join(other, "MNIST", "raw", "train-labels-idx1-ubyte")
     raw = np.fromfile(labels, dtype=np.uint8)
@@ -122,7 +130,9 @@ def test_machines_whose_data_differ_stop_before_training(data_dir, tmp_path):
         for m, data in ((0, data_dir), (1, other))
     ]
     results, seconds = run_together(machines)
-    one_line_each(results, "error: the machines train on different data: machine 1 (", "training labels", "copy")
+    one_line_each(
+        results, "error: the machines train on different data: machine 1 (", "training labels", "copy"
+    )
     assert "images" not in results[0].stderr and "test labels" not in results[0].stderr
     assert results[0].stderr == results[1].stderr
     assert seconds < WITHIN, seconds
@@ -130,20 +140,23 @@ def test_machines_whose_data_differ_stop_before_training(data_dir, tmp_path):
 
 @pytest.mark.timeout(2 * WITHIN + 60)
 def test_the_cpu_script_and_the_gpu_script_in_one_job_stop_naming_the_backend(data_dir, tmp_path):
-    """Machine 0 ran the CPU script, machine 1 the GPU script: the roll call passed ('flags, model and torch agree'),
-    then the GPU side waited for keys the CPU side never writes, and ended in a traceback after --timeout. The GPU
-    script runs here on CPUs, as in tests/test_cuda_script.py."""
+    """Machine 0 ran the CPU script, machine 1 the GPU script: the roll call passed ('flags, model and torch
+    agree'), then the GPU side waited for keys the CPU side never writes, and ended in a traceback after
+    --timeout. The GPU script runs here on CPUs, as in tests/test_cuda_script.py."""
     port, harness = free_port(), tmp_path / "fake_gpus.py"
     harness.write_text(FAKE_GPUS)
     common = ["--data-dir", data_dir, "--num-machines", 2, "--batch-size", 64, "--master-port", port]
     common += ["--timeout", TIMEOUT, "--check"]
     cpu = launch("convnet_distributed.py", *common, "--machine-id", 0, "--num-processes", 1)
     gpu = subprocess.Popen(
-        [sys.executable, harness, REPO, "GPU-a", *map(str, common), "--machine-id", "1", "--num-gpu-processes", "1"],
+        [sys.executable, harness, REPO, "GPU-a", *map(str, common), "--machine-id", "1",
+         "--num-gpu-processes", "1"],
         env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     results, seconds = run_together([cpu, gpu])
-    one_line_each(results, "error: the machines disagree on backend: ", "backend Gloo (convnet_distributed.py)")
+    one_line_each(
+        results, "error: the machines disagree on backend: ", "backend Gloo (convnet_distributed.py)"
+    )
     assert "backend NCCL (convnet_distributed_cuda.py)" in results[0].stderr, results[0].stderr
     assert "run one script on every machine" in results[0].stderr
     assert seconds < WITHIN, seconds
@@ -163,25 +176,31 @@ def an_older_script(tmp_path):
 
 
 def test_a_machine_running_an_older_script_is_one_line_on_both(data_dir, tmp_path):
-    """A record without the keys this version reads raised KeyError with a traceback: the mixed-version case the
-    script's digest is compared for. Now both machines name it."""
+    """A record without the keys this version reads raised KeyError with a traceback: the mixed-version case
+    the script's digest is compared for. Now both machines name it."""
     old, port = an_older_script(tmp_path), free_port()
     machines = [
         job(data_dir, "--check", processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT),
         subprocess.Popen(
             [sys.executable, old, "--data-dir", data_dir, "--num-machines", "2", "--machine-id", "1",
              "--master-port", str(port), "--timeout", str(TIMEOUT), "--check", "--batch-size", "64"],
-            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
         ),
     ]  # fmt: skip
     results, seconds = run_together(machines)
-    one_line_each(results, "runs another version of convnet_distributed.py", "copy one script to every machine")
+    one_line_each(
+        results, "runs another version of convnet_distributed.py", "copy one script to every machine"
+    )
     assert seconds < WITHIN, seconds
 
 
 # A stranger's client writes into the store while machine 0 waits for machine 1: (key, value, what happens).
 BAD_VALUES = {
-    "job": ('{"rank": 0, "job": "junk"}', 'the rendezvous store returned a record = b\'{"rank": 0, "job": "junk"}\''),
+    "job": (
+        '{"rank": 0, "job": "junk"}',
+        'the rendezvous store returned a record = b\'{"rank": 0, "job": "junk"}\'',
+    ),
     "ready, too large": ("[0, 1000000000]", "the rendezvous store returned ready = b'[0, 1000000000]'"),
     "ready, null": ("null", "the rendezvous store returned ready = b'null'"),
 }
@@ -189,9 +208,9 @@ BAD_VALUES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_VALUES))
 def test_a_bad_value_in_the_store_is_one_line_on_every_machine(data_dir, tmp_path, case):
-    """The store is unauthenticated and reachable from the network: ready as [0, 1000000000] allocated gigabytes on
-    every rank, null was a traceback. Now every value read is checked first. Machines 0 and 1 of 3 wait for
-    machine 2, which never comes: the stranger writes meanwhile (job before machine 1 reads it)."""
+    """The store is unauthenticated and reachable from the network: ready as [0, 1000000000] allocated
+    gigabytes on every rank, null was a traceback. Now every value read is checked first. Machines 0 and 1 of
+    3 wait for machine 2, which never comes: the stranger writes meanwhile (job before machine 1 reads it)."""
     value, phrase = BAD_VALUES[case]
     port, key = free_port(), case.split(",")[0]
     machines = [job(data_dir, "--check", processes=1, machines=3, machine=0, port=port, timeout=TIMEOUT)]
@@ -208,9 +227,9 @@ def test_a_bad_value_in_the_store_is_one_line_on_every_machine(data_dir, tmp_pat
 
 
 def test_file_flags_written_into_the_store_steer_no_file(data_dir, tmp_path):
-    """Non-zero ranks took --checkpoint and --metrics-json from rank 0's record in the store, and rank 0 read its
-    own back: a client that rewrote it chose where the job wrote. Now rank 0 writes where its own command says, and
-    the others learn only that it writes."""
+    """Non-zero ranks took --checkpoint and --metrics-json from rank 0's record in the store, and rank 0 read
+    its own back: a client that rewrote it chose where the job wrote. Now rank 0 writes where its own command
+    says, and the others learn only that it writes."""
     port, mine, theirs = free_port(), tmp_path / "mine", tmp_path / "theirs"
     mine.mkdir()
     theirs.mkdir()
@@ -218,7 +237,11 @@ def test_file_flags_written_into_the_store_steer_no_file(data_dir, tmp_path):
     machine0 = job(data_dir, *files, processes=1, machines=2, machine=0, port=port, timeout=TIMEOUT)
     store = store_of(port, "job", machine0)
     forged = json.loads(store.get("job"))
-    forged["files"] = {"checkpoint": str(theirs / "ck.pt"), "resume": True, "metrics_json": str(theirs / "m.json")}
+    forged["files"] = {
+        "checkpoint": str(theirs / "ck.pt"),
+        "resume": True,
+        "metrics_json": str(theirs / "m.json"),
+    }
     store.set("job", json.dumps(forged))
     machine1 = job(data_dir, processes=1, machines=2, machine=1, port=port, timeout=TIMEOUT)
     results, _ = run_together([machine0, machine1])
@@ -229,10 +252,11 @@ def test_file_flags_written_into_the_store_steer_no_file(data_dir, tmp_path):
 
 
 def test_the_port_stays_held_from_the_claim_until_the_store_serves(clean_env):
-    """The launcher checked the port, then let it go until rank 0's store bound it: a program taking it meanwhile
-    cost a 10 s wait, or exit 1 with no line. Now the claimed socket listens until TCPStore takes it over."""
+    """The launcher checked the port, then let it go until rank 0's store bound it: a program taking it then
+    cost a 10 s wait, or exit 1 with no line. Now the claimed socket listens until TCPStore takes over."""
     args = convnet_distributed.parse_args(["--master-port", str(free_port())])
-    listener = convnet_distributed.claim_port(args)
+    listener, port = convnet_distributed.claim_port(args)
+    assert port == args.master_port
     try:
         with socket.socket() as other, pytest.raises(OSError):
             other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -245,13 +269,14 @@ def test_the_port_stays_held_from_the_claim_until_the_store_serves(clean_env):
         listener.close()
     free = convnet_distributed.parse_args([])  # no port given: a free one, held the same way
     assert free.master_port == 0
-    listener = convnet_distributed.claim_port(free)
-    assert free.master_port == listener.getsockname()[1] > 0
+    listener, port = convnet_distributed.claim_port(free)
+    assert port == listener.getsockname()[1] > 0
+    assert free.master_port == 0  # the port taken goes into the job's record: args stays what was typed
     listener.close()
 
 
 def test_a_master_addr_that_does_not_resolve_on_one_machine_says_so(data_dir):
-    """A one-machine job with a --master-addr no resolver knows said 'another program may hold the port' after 5 s."""
+    """A one-machine job with an unknown --master-addr said 'another program may hold the port' after 5 s."""
     proc = launch("convnet_distributed.py", "--data-dir", data_dir, "--num-processes", 2, "--master-addr",
                   "no-such-host.invalid", "--timeout", 3)  # fmt: skip
     (line,) = single_lines([finish(proc, timeout=60)])
@@ -263,7 +288,7 @@ SIGTERM_IN_EXIT = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import convnet_distributed as script
-script.stop_on_signals(ctrl_c=True)
+script.raise_on_signals(ctrl_c=True)
 flush = sys.stdout.flush
 def flush_and_be_stopped():
     os.kill(os.getpid(), signal.SIGTERM)  # docker stop, just as the process leaves
@@ -276,7 +301,9 @@ script.exit_at_once(0)
 def test_a_sigterm_as_a_process_exits_changes_nothing(tmp_path):
     """A SIGTERM arriving inside exit_at_once raised Terminated there, with a traceback, and exit status 1."""
     (tmp_path / "exit.py").write_text(SIGTERM_IN_EXIT)
-    result = subprocess.run([sys.executable, tmp_path / "exit.py", REPO], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, tmp_path / "exit.py", REPO], capture_output=True, text=True, timeout=60
+    )
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
 
 
@@ -289,17 +316,17 @@ args = script.parse_args(["--master-port", sys.argv[2], "--num-processes", "2", 
 server = dist.TCPStore("127.0.0.1", args.master_port, 2, True, wait_for_workers=False)
 store = dist.TCPStore("127.0.0.1", args.master_port, 2, False)
 threading.Timer(2, lambda: server.set("abort", "error: rank 0: the line of the process that failed")).start()
-with script.stopped_with_the_job(0, args):
+with script.exit_on_abort(0, args):
     store.get("never")  # as Gloo's set-up waits for a peer's address, holding this client
 """
 
 
 def test_the_abort_watcher_sees_an_abort_while_the_set_up_waits_in_the_store(tmp_path):
-    """The watcher shared the store client with Gloo's set-up, and a client's calls wait for each other: a blocking
-    get held it, so the watcher saw the abort only when the get timed out. It has a client of its own now."""
+    """The watcher shared the store client with Gloo's set-up, and a client's calls wait for each other: a
+    blocking get held it, so the watcher saw the abort only when the get timed out. Now it has its own."""
     (tmp_path / "watched.py").write_text(WATCHED)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, tmp_path / "watched.py", REPO, str(free_port())], capture_output=True,
-                            text=True, timeout=90, env=script_env())  # fmt: skip
+    result = subprocess.run([sys.executable, tmp_path / "watched.py", REPO, str(free_port())],
+                            capture_output=True, text=True, timeout=90, env=script_env())  # fmt: skip
     assert result.returncode == 1 and result.stderr == "error: rank 0: the line of the process that failed\n"
     assert time.monotonic() - start < 20  # the get would wait --timeout, 60 s

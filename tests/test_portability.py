@@ -1,15 +1,15 @@
-"""The scripts on systems that lack what Linux has, simulated: a sitecustomize module takes away, in every Python
-process of a run (the spawned workers too), what Windows lacks, or what macOS lacks, and the scripts' real code
-then trains. macOS and Windows themselves are not run here.
+"""The scripts on systems that lack what Linux has, simulated: a sitecustomize module takes away, in every
+Python process of a run (the spawned workers too), what Windows lacks, or what macOS lacks, and the scripts'
+real code then trains. macOS and Windows themselves are not run here.
 
 What each lacks, of what the scripts call (the Python docs' "Availability", and the systems themselves):
 - Windows: the modules fcntl and resource; os.sched_getaffinity, os.statvfs, os.sched_yield, os.killpg,
-  signal.pthread_sigmask, socket.AF_NETLINK; /dev/shm; fork (sys.platform says win32, so the scripts spawn their
-  workers). Its os.getppid never changes when the parent dies (no orphan gets a new parent).
+  signal.pthread_sigmask, socket.AF_NETLINK; /dev/shm; fork (sys.platform says win32, so the scripts spawn
+  their workers). Its os.getppid never changes when the parent dies (no orphan gets a new parent).
 - macOS: os.sched_getaffinity, /dev/shm, glibc (libc.so.6), socket.AF_NETLINK (Linux's interface listing);
   sys.platform says darwin, so the scripts spawn their workers and cannot name the network interface.
 Left in place, as the scripts never call them: os.fork (they spawn where sys.platform is not Linux) and
-signal.SIGKILL (multiprocessing's POSIX Popen needs it; tests/test_portability.py checks the scripts do not)."""
+signal.SIGKILL (multiprocessing's POSIX Popen needs it; a test below checks the scripts do not)."""
 
 import ast
 import os
@@ -92,7 +92,7 @@ def elsewhere(request, tmp_path):
 
 
 def test_the_baseline_runs_without_sched_getaffinity(data_dir, tmp_path, elsewhere):
-    """macOS and Windows: the baseline once raised AttributeError unless --threads or OMP_NUM_THREADS was set."""
+    """macOS and Windows: the baseline raised AttributeError unless --threads or OMP_NUM_THREADS was set."""
     metrics = tmp_path / "m.json"
     result = finish(
         launch("convnet_undistributed.py", "--data-dir", data_dir, "--metrics-json", metrics, env=elsewhere)
@@ -104,10 +104,10 @@ def test_the_baseline_runs_without_sched_getaffinity(data_dir, tmp_path, elsewhe
 
 
 def test_the_distributed_script_runs_without_fcntl_and_dev_shm(data_dir, tmp_path, elsewhere):
-    """Two launches as two machines of 2 processes each (on this host): the data is shared with the workers by the
-    system's shared memory, the gradients go over Gloo, and rank 0 says to set GLOO_SOCKET_IFNAME, which it cannot
-    choose there. The import of fcntl once stopped the script on Windows; then, without resource, every run ended
-    in a traceback after its last epoch (torch.tensor([None]) for the peak memory) and wrote no metrics."""
+    """Two launches as two machines of 2 processes each (on this host): the data is shared with the workers by
+    the system's shared memory, the gradients go over Gloo, and rank 0 says to set GLOO_SOCKET_IFNAME, which
+    it cannot choose there. The import of fcntl once stopped the script on Windows; then, without resource,
+    every run ended in a traceback after its last epoch (torch.tensor([None]) for peak memory), no metrics."""
     port = free_port()
     common = ["--num-processes", 2, "--batch-size", 32, "--data-dir", data_dir, "--master-port", port,
               "--num-machines", 2]  # fmt: skip
@@ -163,7 +163,7 @@ GUARDED = {
     ("os", "sched_yield"): "SharedMemoryAverager, which runs on Linux x86-64 alone",
     ("signal", "pthread_sigmask"): "hasattr(signal, 'pthread_sigmask')",
     ("signal", "SIG_BLOCK"): "with pthread_sigmask, behind its hasattr",
-    ("signal", "SIG_SETMASK"): "let_stop_signals_through, with a mask only where pthread_sigmask exists",
+    ("signal", "SIG_SETMASK"): "release_signals, with a mask only where pthread_sigmask exists",
 }
 
 
@@ -171,13 +171,13 @@ GUARDED = {
     "script", ["convnet_undistributed.py", "convnet_distributed.py", "convnet_distributed_cuda.py"]
 )
 def test_the_scripts_call_nothing_windows_lacks_unguarded(script):
-    """Every os.X, signal.X and socket.X a script names that Windows lacks is one of the guarded calls above."""
+    """Every os.X, signal.X and socket.X a script names that Windows lacks is a guarded call above."""
     with open(os.path.join(REPO, script)) as f:
         tree = ast.parse(f.read())
     found = {
         (node.value.id, node.attr)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in WINDOWS_LACKS
-        and node.attr in WINDOWS_LACKS[node.value.id]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in WINDOWS_LACKS and node.attr in WINDOWS_LACKS[node.value.id]
     }  # fmt: skip
     assert found <= set(GUARDED), sorted(found - set(GUARDED))

@@ -1,5 +1,5 @@
-"""A CPU quota (Docker's --cpus, a Kubernetes CPU limit) caps the default threads: the process still sees every
-core of the host, and took a thread per core, each waiting for the quota's time."""
+"""A CPU quota (Docker's --cpus, a Kubernetes CPU limit) caps the default threads: the process still sees
+every core of the host, and took a thread per core, each waiting for the quota's time."""
 
 import os
 import time
@@ -17,14 +17,16 @@ MODULES = [convnet_undistributed, convnet_distributed, convnet_distributed_cuda]
 
 @pytest.fixture
 def cgroup_cpus(monkeypatch, tmp_path):
-    """A module's cgroup_cpus(), its open() reading a file tree of our own at the absolute paths it asks for."""
+    """A module's cgroup_cpus(), its open() reading a test's file tree at the absolute paths it asks for."""
 
     def read(module, files):
         root = tmp_path / uuid.uuid4().hex
         for path, text in files.items():
             (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
             (root / path.lstrip("/")).write_text(text)
-        monkeypatch.setattr(module, "open", lambda path, *a, **k: open(root / path.lstrip("/"), *a, **k), False)
+        monkeypatch.setattr(
+            module, "open", lambda path, *a, **k: open(root / path.lstrip("/"), *a, **k), False
+        )
         return module.cgroup_cpus()
 
     return read
@@ -42,10 +44,13 @@ def test_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_those_above_rounded_u
 
 @pytest.mark.parametrize("module", MODULES)
 def test_cgroup_v1_quota_and_a_container_that_sees_its_own_cgroup_as_the_root(cgroup_cpus, module):
-    """Docker on cgroup v1 without a cgroup namespace: /proc/self/cgroup names /docker/<id>, while the container's
-    /sys/fs/cgroup/cpu is that cgroup itself. Another hierarchy's folder is not read as cpu's."""
+    """Docker on cgroup v1 without a cgroup namespace: /proc/self/cgroup names /docker/<id>, while the
+    container's /sys/fs/cgroup/cpu is that cgroup itself. Another hierarchy's folder is not read as cpu's."""
     files = {"/proc/self/cgroup": "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"}
-    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"], files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "50000\n", "100000\n"
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"], files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = (
+        "50000\n",
+        "100000\n",
+    )
     files["/sys/fs/cgroup/docker/abc/cpu.max"] = "max 100000\n"  # a hybrid layout's v2 side: no quota
     assert cgroup_cpus(module, files) == 1
     files["/sys/fs/cgroup/cpu/docker/abc/cpu.max"] = "1 100000\n"  # v2's file in v1's folder: not read
@@ -57,15 +62,21 @@ def test_no_quota_or_no_cgroups_is_none(cgroup_cpus, module):
     v1 = {"/proc/self/cgroup": "1:cpu:/\n", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n"}
     v1["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "100000\n"
     assert cgroup_cpus(module, v1) is None
-    assert cgroup_cpus(module, {"/proc/self/cgroup": "0::/a\n", "/sys/fs/cgroup/a/cpu.max": "max 100000\n"}) is None
+    assert (
+        cgroup_cpus(module, {"/proc/self/cgroup": "0::/a\n", "/sys/fs/cgroup/a/cpu.max": "max 100000\n"})
+        is None
+    )
     assert cgroup_cpus(module, {}) is None  # no /proc/self/cgroup: not Linux
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_the_smallest_cap_decides_and_is_named_and_a_count_given_wins(clean_env, monkeypatch, module):
-    """Of the affinity mask (8 cores here), the cgroup's quota and SLURM_CPUS_PER_TASK, the smallest decides, and
-    the layout line names it; --threads and OMP_NUM_THREADS still win. The distributed scripts run 2 processes."""
-    processes = {convnet_distributed: ["--num-processes", "2"], convnet_distributed_cuda: ["--num-gpu-processes", "2"]}
+    """Of the affinity mask (8 cores here), the cgroup's quota and SLURM_CPUS_PER_TASK, the smallest decides,
+    and the layout line names it; --threads and OMP_NUM_THREADS win. Distributed scripts: 2 processes."""
+    processes = {
+        convnet_distributed: ["--num-processes", "2"],
+        convnet_distributed_cuda: ["--num-gpu-processes", "2"],
+    }
     processes = processes.get(module, [])
 
     def cores(quota, *argv):  # the cores the threads of this machine's processes take, and what capped them
@@ -102,7 +113,7 @@ def cgroup_of_one_cpu():
 
 @pytest.fixture
 def one_cpu():
-    """The cgroup.procs file of a new cgroup allowed 1 CPU of time, removed afterwards with anything left in it."""
+    """The cgroup.procs file of a new cgroup allowed 1 CPU; removed after, with anything left in it."""
     try:
         folder = cgroup_of_one_cpu()
     except OSError as e:
@@ -123,9 +134,11 @@ def one_cpu():
 
 @pytest.mark.parametrize("threads", [None, 2])
 @pytest.mark.parametrize("script", ["convnet_undistributed.py", "convnet_distributed.py"])
-def test_a_quota_of_one_cpu_gives_one_thread_per_process_unless_told(one_cpu, data_dir, tmp_path, script, threads):
-    """In a cgroup allowing 1 CPU, on a host of any size: the baseline, and each of 2 processes, take 1 thread, and
-    the layout line says why; --threads 2 is taken as given."""
+def test_a_quota_of_one_cpu_gives_one_thread_per_process_unless_told(
+    one_cpu, data_dir, tmp_path, script, threads
+):
+    """In a cgroup allowing 1 CPU, on a host of any size: the baseline, and each of 2 processes, take 1
+    thread, and the layout line says why; --threads 2 is taken as given."""
     processes = ["--num-processes", 2, "--batch-size", 64] if script == "convnet_distributed.py" else []
     given = ["--threads", threads] if threads else []
     metrics = tmp_path / "m.json"

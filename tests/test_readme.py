@@ -1,5 +1,5 @@
-"""The documented commands are the ones that work: every script command in README.md, docs/ and bench/README.md
-parses, CI runs the README's test command, the README stays short and every relative link leads somewhere."""
+"""The documented commands work: every script command in README.md, docs/ and bench/README.md parses, CI
+runs the README's test command, the README stays short and every relative link leads somewhere."""
 
 import glob
 import os
@@ -13,7 +13,9 @@ import convnet_distributed_cuda
 import convnet_undistributed
 from conftest import REPO
 
-MODULES = {m.__name__ + ".py": m for m in (convnet_undistributed, convnet_distributed, convnet_distributed_cuda)}
+MODULES = {
+    m.__name__ + ".py": m for m in (convnet_undistributed, convnet_distributed, convnet_distributed_cuda)
+}
 README_MAX_LINES = 160
 
 
@@ -33,7 +35,7 @@ def pages():
 
 
 def section(text, heading):
-    """The text under `heading` (a whole line, "## ..."), up to the next heading of the same level or higher."""
+    """The text under `heading` (a whole line, "## ..."), up to the next heading of its level or higher."""
     level = heading.split(" ")[0]
     parts = re.split(rf"^{re.escape(heading)}$", text, flags=re.M)
     assert len(parts) == 2, f"one {heading!r} expected"
@@ -66,7 +68,9 @@ def test_every_documented_command_parses(script, flags, clean_env, monkeypatch, 
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    test_command = next(line.strip() for line in readme().splitlines() if "pytest" in line and "pip install" in line)
+    test_command = next(
+        line.strip() for line in readme().splitlines() if "pytest" in line and "pip install" in line
+    )
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = [line.strip() for line in f]
     assert test_command in ci
@@ -74,7 +78,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_several_machines_section_runs_what_the_namespace_tests_run():
     """The two-machine commands (the README's section and docs/launching.md but its GPU section, whose script
-    tests/test_multihost.py does not launch) use the flags tests/test_multihost.py launches with, and no others."""
+    tests/test_multihost.py does not launch) use only the flags tests/test_multihost.py launches with."""
     launching = read(os.path.join("docs", "launching.md"))
     sections = [section(readme(), "## Two machines"), launching.replace(section(launching, "## GPUs"), "")]
     with open(os.path.join(REPO, "tests", "test_multihost.py")) as f:
@@ -82,7 +86,12 @@ def test_several_machines_section_runs_what_the_namespace_tests_run():
     checked = 0
     for line in "\n".join(sections).splitlines():
         if ("convnet_distributed.py" in line and "--nnodes" in line) or "--num-machines 2" in line:
-            used = set(re.findall(r"(--[a-z-]+)", line)) - {"--epochs", "--checkpoint", "--resume", "--max-restarts"}
+            used = set(re.findall(r"(--[a-z-]+)", line)) - {
+                "--epochs",
+                "--checkpoint",
+                "--resume",
+                "--max-restarts",
+            }
             assert used <= tested, (line, used - tested)
             checked += 1
     assert checked >= 6  # the README's --check and real run, its two torchrun lines, restarts, elastic, SLURM

@@ -1,5 +1,5 @@
-"""/dev/shm, a tmpfs of fixed size (64 MiB in a Docker or Kubernetes container): what does not fit there is not
-shared, and the run trains all the same; a process that touched a page beyond its size died of SIGBUS."""
+"""/dev/shm, a tmpfs of fixed size (64 MiB in a Docker or Kubernetes container): what does not fit there is
+not shared, and the run trains all the same; a process that touched a page beyond its size died of SIGBUS."""
 
 import os
 import shutil
@@ -43,7 +43,9 @@ def test_what_does_not_fit_in_dev_shm_is_not_shared_and_the_line_says_how_to_fix
         assert line is None
         return
     assert line.startswith(f"/dev/shm has {free // MIB} MiB free, too little for ")
-    assert ("the data (53 MiB)" in line) != data_fits and ("each process loads its own copy" in line) != data_fits
+    assert ("the data (53 MiB)" in line) != data_fits and (
+        "each process loads its own copy" in line
+    ) != data_fits
     assert ("gradients are averaged over Gloo" in line) != gradients_fit
     assert "--shm-size=1g" in line and "emptyDir with medium: Memory" in line
     assert "\n" not in line
@@ -62,7 +64,7 @@ def test_the_launcher_keeps_the_data_out_of_a_small_dev_shm(monkeypatch, capsys)
 
 
 def test_without_dev_shm_everything_may_be_shared_but_the_averager_is_off(monkeypatch):
-    """macOS and Windows have no /dev/shm: their shared memory has no such cap, and the averager needs Linux's."""
+    """macOS and Windows have no /dev/shm: their shared memory has no such cap; the averager needs Linux's."""
 
     def missing(path):
         raise FileNotFoundError(2, "No such file or directory", path)
@@ -80,7 +82,9 @@ def namespaces_unavailable():
     if not shutil.which("unshare"):
         return "no unshare command (util-linux)"
     probe = subprocess.run(
-        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True, text=True
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        text=True,
     )
     if probe.returncode != 0:
         return f"cannot make a mount namespace with its own /dev/shm here: {probe.stderr.strip()}"
@@ -90,8 +94,8 @@ def namespaces_unavailable():
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 @pytest.mark.parametrize("size_mib", [64, 16])
 def test_eight_processes_train_in_a_containers_small_dev_shm(data_dir, tmp_path, size_mib):
-    """A mount namespace with a tmpfs of 64 or 16 MiB over /dev/shm: 8 processes, whose gradient areas need 18 MiB.
-    16 MiB once ended the run with SIGBUS; now the gradients go over Gloo, and rank 0 says why."""
+    """A mount namespace with a tmpfs of 64 or 16 MiB over /dev/shm: 8 processes, whose gradient areas need
+    18 MiB. 16 MiB once ended the run with SIGBUS; now the gradients go over Gloo, and rank 0 says why."""
     metrics = tmp_path / "m.json"
     command = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--num-processes", "8",
                "--batch-size", "16", "--data-dir", str(data_dir), "--master-port", str(free_port()),
@@ -111,7 +115,9 @@ def test_eight_processes_train_in_a_containers_small_dev_shm(data_dir, tmp_path,
     if size_mib == 64:  # the small generated data and the gradient areas fit
         assert shortfall == [] and m["allreduce"] == "shared-memory"
     else:
-        assert len(shortfall) == 1 and "too little for the gradient average (18 MiB)" in shortfall[0], result.stdout
+        assert len(shortfall) == 1 and "too little for the gradient average (18 MiB)" in shortfall[0], (
+            result.stdout
+        )
         assert m["allreduce"] == "gloo"
         assert "gradients averaged over Gloo" in result.stdout
 
@@ -123,7 +129,8 @@ import torch
 import torch.distributed as dist
 import convnet_distributed as c
 
-# /dev/shm (1 MiB here) had the room when it was checked, and another job, started at the same time, took it since.
+# /dev/shm (1 MiB here) had the room when it was checked, and another job, started at the same time, \
+took it since.
 c.SharedMemoryAverager.fits = staticmethod(lambda model, rank, world_size: True)
 c.averages_in_shared_memory = lambda args, world_size: True
 c.shared_memory_plan = lambda data, gradients: (True, True, None)
@@ -135,17 +142,19 @@ print("gradients averaged", allreduce, flush=True)
 data = (torch.ones(1000), torch.ones(3 << 20, dtype=torch.uint8))  # the first fits, the second does not
 print("data shared", c.share_data(data), [t.is_shared() for t in data], flush=True)
 print("left in /dev/shm", os.listdir("/dev/shm"), flush=True)
-c.leave_group()
+c.GROUPS_KEPT.append(dist.group.WORLD)
+dist.destroy_process_group()
 c.exit_at_once()
 """
 
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 def test_room_taken_in_dev_shm_after_the_check_is_one_line_not_a_sigbus(tmp_path):
-    """Jobs started together in one container each found room in /dev/shm (statvfs), then filled it together: the
-    averager's file was sparse, and the first step's gradients killed the process with SIGBUS. The room is reserved
-    now as the file is made (posix_fallocate), and the data's (torch's share_memory_ reserves it) before the workers
-    start: a shortfall there is one line, and the gradients go over Gloo, or each worker loads its own copy."""
+    """Jobs started together in one container each found room in /dev/shm (statvfs), then filled it together:
+    the averager's file was sparse, and the first step's gradients killed the process with SIGBUS. The room is
+    reserved now as the file is made (posix_fallocate), and the data's (torch's share_memory_ reserves it)
+    before the workers start: a shortfall there is one line, and the gradients go over Gloo, or each worker
+    loads its own copy."""
     (tmp_path / "short.py").write_text(SHORT_OF_ROOM.format(repo=REPO, port=free_port()))
     mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
     result = subprocess.run(
@@ -153,11 +162,14 @@ def test_room_taken_in_dev_shm_after_the_check_is_one_line_not_a_sigbus(tmp_path
         capture_output=True, text=True, env=script_env(), timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)  # -7: SIGBUS
-    advice = "; for more, run the container with --shm-size=1g (Docker), or mount an emptyDir with medium: Memory at "
+    advice = (
+        "; for more, run the container with --shm-size=1g (Docker), "
+        "or mount an emptyDir with medium: Memory at "
+    )
     advice += "/dev/shm (Kubernetes)"
     assert result.stdout.splitlines() == [
-        "/dev/shm has 1 MiB free, too little for the gradient average (2 MiB): gradients are averaged over Gloo"
-        + advice,
+        "/dev/shm has 1 MiB free, too little for the gradient average (2 MiB): "
+        "gradients are averaged over Gloo" + advice,
         "gradients averaged gloo",
         f"/dev/shm has 1 MiB free, too little for the data (3 MiB): each process loads its own copy{advice}",
         "data shared False [False, False]",

@@ -1,15 +1,15 @@
-"""docs/launching.md's SLURM recipe under a real SLURM: a slurmctld, and one slurmd per "node", each node a network
-namespace of its own with its own host name, the two joined by a veth pair.
+"""docs/launching.md's SLURM recipe under a real SLURM: a slurmctld, and one slurmd per "node", each node a
+network namespace of its own with its own host name, the two joined by a veth pair.
 
-The batch script is docs/launching.md's, with values for this machine: one CPU per task, one process per node, a small
-batch, the generated data, a free master port. One job trains across both nodes; a second one, with --checkpoint
---resume, is scancel'ed mid-epoch, and the same script submitted again continues from its checkpoint.
+The batch script is docs/launching.md's, with values for this machine: one CPU per task, one process per node,
+a small batch, the generated data, a free master port. One job trains across both nodes; a second one, with
+--checkpoint --resume, is scancel'ed mid-epoch, and the same script, resubmitted, resumes from its checkpoint.
 
 How the nodes are made (`ip netns exec` remounts /sys, and slurmd then fails on the cgroup mounts):
 `nsenter --net=/var/run/netns/NS unshare -m -u`, then the node's host name, a hosts file over /etc/hosts that
-resolves both node names to their veth addresses, and a folder of its own (spool, pid file) bind-mounted over a
-path that slurm.conf names for both. The controller runs on node0. One munged, started here with its own key and
-socket, serves both nodes. Everything started is stopped at the end, and checked to be gone.
+resolves both node names to their veth addresses, and a folder of its own (spool, pid file) bind-mounted over
+a path that slurm.conf names for both. The controller runs on node0. One munged, started here with its own
+key and socket, serves both nodes. Everything started is stopped at the end, and checked to be gone.
 Needs root, iproute2, and Debian's slurm-wlm and munge; skipped, saying why, otherwise.
 """
 
@@ -32,17 +32,37 @@ from conftest import N_TEST, REPO, read_json, script_env
 # One cluster for the module, on one pytest-xdist worker, beside the other tests that make network namespaces.
 pytestmark = pytest.mark.xdist_group("netns")
 
-TOOLS = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "munged", "ip", "nsenter", "unshare")
+TOOLS = (
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "scontrol",
+    "scancel",
+    "sinfo",
+    "munged",
+    "ip",
+    "nsenter",
+    "unshare",
+)
 NODES = ("node0", "node1")
 START_SECONDS = 60  # daemons up and both nodes idle; took about 1.5 s on 2 cores
 JOB_SECONDS = 150  # one job, submission to end; a good one took 10-15 s on 2 cores
 STOP_SECONDS = 15  # a daemon's exit after SIGTERM, or a cancelled job's
 KILL_WAIT = 10  # slurm.conf KillWait: seconds from scancel's SIGTERM to SIGKILL
 PEER_TIMEOUT = 60  # the script's --timeout: how long a process waits for its peers
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+}
 
-# docs/launching.md's recipe, with this machine's values: both "nodes" share its 2 cores, so one process of one thread
-# each (the script's default, the usable cores over the processes, would put 2 threads on each: 4 on 2 cores).
+# docs/launching.md's recipe, with this machine's values: both "nodes" share its 2 cores, so one process of
+# one thread each (the default, usable cores over processes, would put 2 threads on each: 4 on 2 cores).
 BATCH_SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --cpus-per-task=1
@@ -170,12 +190,17 @@ class Cluster:
 
     def free_port(self):
         """A port for MASTER_PORT: free on node0, and not slurm's."""
-        return next(p for p in free_ports(self.ns_path(0), len(self.slurm_ports) + 1) if p not in self.slurm_ports)
+        return next(
+            p for p in free_ports(self.ns_path(0), len(self.slurm_ports) + 1) if p not in self.slurm_ports
+        )
 
     def client(self, *argv, timeout=30, cwd=None):
         """A slurm command, on node0's network (the controller's address is only reachable there)."""
         return run(
-            ["nsenter", f"--net={self.ns_path(0)}", *argv], timeout=timeout, env=self.env, cwd=cwd or self.folder
+            ["nsenter", f"--net={self.ns_path(0)}", *argv],
+            timeout=timeout,
+            env=self.env,
+            cwd=cwd or self.folder,
         )
 
     def logs(self):
@@ -191,7 +216,9 @@ class Cluster:
         a job's slurmstepd, bash or python."""
         daemons = {name: p.pid for name, p in self.daemons.items()}
         helper = (daemons.get("slurmctld"), "slurmscriptd")
-        return {pid: cmdline(pid) for pid in self.pids() - set(daemons.values()) if parent_and_name(pid) != helper}
+        return {
+            pid: cmdline(pid) for pid in self.pids() - set(daemons.values()) if parent_and_name(pid) != helper
+        }
 
     def assert_no_strays(self, timeout=STOP_SECONDS):
         deadline = time.monotonic() + timeout
@@ -237,7 +264,22 @@ def setup_namespaces(base):
         if result.returncode != 0:
             return made, f"cannot make a network namespace (ip netns add {ns}): {result.stderr.strip()}"
         made.append(ns)
-    steps = [["link", "add", names[0], "netns", names[0], "type", "veth", "peer", "name", names[1], "netns", names[1]]]
+    steps = [
+        [
+            "link",
+            "add",
+            names[0],
+            "netns",
+            names[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            names[1],
+            "netns",
+            names[1],
+        ]
+    ]
     for ns, addr in zip(names, addrs):
         steps += [
             ["-n", ns, "addr", "add", f"{addr}/24", "dev", ns],
@@ -300,7 +342,9 @@ def start_munged(folder):
 def cluster(tmp_path_factory):
     missing = [tool for tool in TOOLS if not shutil.which(tool)]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (Debian: apt-get install slurm-wlm munge iproute2 util-linux)")
+        pytest.skip(
+            f"needs {', '.join(missing)} (Debian: apt-get install slurm-wlm munge iproute2 util-linux)"
+        )
     if os.geteuid() != 0:
         pytest.skip("needs root to make network namespaces and run slurmd")
     folder = tmp_path_factory.mktemp("slurm")
@@ -412,7 +456,9 @@ def test_sbatch_the_readme_recipe_across_two_nodes(cluster, data_dir, tmp_path):
     job_id = cluster.submit(script, out)
     fields = cluster.wait_job(job_id, out=out)
     output = out.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{output}\n{cluster.logs()}"
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (
+        f"{fields}\n{output}\n{cluster.logs()}"
+    )
     assert fields["NodeList"] == "node[0-1]", fields
     check_metrics(tmp_path / "m.json", 1)
     assert "Finished training in" in output, output
@@ -459,7 +505,7 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     output = out.read_text()
     assert fields["JobState"] == "CANCELLED", f"{fields}\n{output}"
     assert "Finished training" not in output and not (tmp_path / "m.json").exists()
-    # Each node's launcher says what happened, in one line (exit status 143, which SLURM reports as the signal).
+    # Each node's launcher says what happened in one line (status 143, which SLURM reports as the signal).
     stopped = [line for line in output.splitlines() if line.startswith("Terminated (SIGTERM)")]
     assert 1 <= len(stopped) <= 2, output
     # Machine 0, where the checkpoint is written, says what it holds; the other machine only that it stopped.
@@ -467,7 +513,10 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     assert set(stopped) <= {plain, f"{plain}; {ck} holds the last complete epoch"}, output
     cluster.assert_no_strays()
     gone_in = time.monotonic() - cancelled_at
-    print(f"cancelled job {job_id} ended {stopped_in:.1f} s after scancel, its last process within {gone_in:.1f} s")
+    print(
+        f"cancelled job {job_id} ended {stopped_in:.1f} s after scancel, "
+        f"its last process within {gone_in:.1f} s"
+    )
 
     state = torch.load(ck, map_location="cpu", weights_only=True)  # whole: it loads, and it is ours
     assert state["format"] == convnet_distributed.CHECKPOINT_FORMAT and state["dataset"] == "mnist"
@@ -481,7 +530,9 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     job_id = cluster.submit(script, out)
     fields = cluster.wait_job(job_id, out=out)
     output = out.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{output}\n{cluster.logs()}"
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (
+        f"{fields}\n{output}\n{cluster.logs()}"
+    )
     assert f"Resuming from {ck}: epoch {done} done, starting epoch {done + 1}" in output, output
     assert f"epoch: {done} [" not in output and f"epoch: {done + 1} [0/" in output, output
     assert "Finished training in" in output
@@ -490,9 +541,9 @@ def test_scancel_mid_epoch_then_resubmit_resumes(cluster, data_dir, tmp_path):
     cluster.assert_no_strays()
 
 
-# srun starts every process itself, one task per process, with no MASTER_ADDR, MASTER_PORT or --machine-id: machine 0
-# is the first node of node[0-1], the port one of this job's. Then docs/launching.md's short recipe, one task per node.
-# The batch shell is no task: it has the job's variables, none of a step's.
+# srun starts every process itself, one task per process, with no MASTER_ADDR, MASTER_PORT or --machine-id:
+# machine 0 is the first node of node[0-1], the port one of this job's. Then docs/launching.md's short recipe,
+# one task per node. The batch shell is no task: it has the job's variables, none of a step's.
 TASKS_SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
@@ -505,8 +556,8 @@ srun --ntasks=2 --ntasks-per-node=1 python convnet_distributed.py --num-processe
 
 @pytest.mark.timeout(START_SECONDS + 2 * JOB_SECONDS + 60)
 def test_srun_one_task_per_process_and_the_short_recipe(cluster, data_dir, tmp_path):
-    """--ntasks-per-node=2 and a plain srun: each task trained alone, four unrelated runs. Now one group of 4 ranks,
-    and the recipe without --num-machines and --machine-id forms the same group of 4 from one task per node."""
+    """--ntasks-per-node=2 and a plain srun: each task trained alone, four unrelated runs. Now one group of 4
+    ranks; the recipe without --num-machines and --machine-id makes it from one task per node."""
     common = f"--threads 1 --data-dir {data_dir} --epochs 1 --log-interval 1000 --timeout {PEER_TIMEOUT}"
     script = tmp_path / "job.sh"
     script.write_text(TASKS_SCRIPT.format(common=common, folder=tmp_path))
@@ -514,7 +565,9 @@ def test_srun_one_task_per_process_and_the_short_recipe(cluster, data_dir, tmp_p
     job_id = cluster.submit(script, out)
     fields = cluster.wait_job(job_id, timeout=2 * JOB_SECONDS, out=out)
     output = out.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{output}\n{cluster.logs()}"
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (
+        f"{fields}\n{output}\n{cluster.logs()}"
+    )
     assert "batch shell: SLURM_STEP_NUM_TASKS=unset" in output, output
     layouts = [line for line in output.splitlines() if line.startswith("World size")]
     assert len(layouts) == 2, output  # one per step: rank 0 alone prints
@@ -530,12 +583,13 @@ def test_srun_one_task_per_process_and_the_short_recipe(cluster, data_dir, tmp_p
     cluster.assert_no_strays()
 
 
-# A sweep: two steps of one allocation side by side, each on a node of its own, each its own job with its own --lr.
+# A sweep: two steps of one allocation side by side, each on a node of its own, each a job with its own --lr.
 STEPS_SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=2 --cpus-per-task=1
 for i in 0 1; do
-  srun --nodes=1 --ntasks=2 --relative=$i python convnet_distributed.py --batch-size 32 {common} --lr 0.{lr}$i \
+  srun --nodes=1 --ntasks=2 --relative=$i python convnet_distributed.py \
+--batch-size 32 {common} --lr 0.{lr}$i \
 --metrics-json {folder}/step$i.json > {folder}/step$i.out 2>&1 &
 done
 wait
@@ -544,9 +598,9 @@ wait
 
 @pytest.mark.timeout(START_SECONDS + JOB_SECONDS + 60)
 def test_srun_steps_side_by_side_each_train_as_their_own_group(cluster, data_dir, tmp_path):
-    """Machine 0 was the job's first node and the port the job's: the step on node1 went to node0's step, and one
-    of the two stopped ('rank 0 joined twice', or 'another job's rendezvous'). Now each step meets on its own first
-    node, at a port of its own, and trains as a group of its 2 tasks."""
+    """Machine 0 was the job's first node and the port the job's: the step on node1 went to node0's step, and
+    one of the two stopped ('rank 0 joined twice', or 'another job's rendezvous'). Now each step meets on its
+    own first node, at a port of its own, and trains as a group of its 2 tasks."""
     common = f"--threads 1 --data-dir {data_dir} --epochs 1 --log-interval 1000 --timeout {PEER_TIMEOUT}"
     script = tmp_path / "job.sh"
     script.write_text(STEPS_SCRIPT.format(common=common, folder=tmp_path, lr=4))
@@ -555,7 +609,9 @@ def test_srun_steps_side_by_side_each_train_as_their_own_group(cluster, data_dir
     fields = cluster.wait_job(job_id, out=out)
     outputs = [(tmp_path / f"step{i}.out").read_text() for i in range(2)]
     said = "\n".join(outputs) + out.read_text()
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{said}\n{cluster.logs()}"
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (
+        f"{fields}\n{said}\n{cluster.logs()}"
+    )
     for i, output in enumerate(outputs):
         layout = next(line for line in output.splitlines() if line.startswith("World size"))
         assert layout.startswith("World size 2 = 1 machine x 2 processes;"), said

@@ -27,15 +27,16 @@ mp.start_processes = start_processes
 try:
     c.main(["--num-processes", "2", "--data-dir", {data!r}, "--master-port", "1"])
 finally:
-    print(after_imports == seen["threads"], seen["method"], seen["data"], len(after_imports), len(seen["threads"]))
+    print(after_imports == seen["threads"], seen["method"], seen["data"], \
+len(after_imports), len(seen["threads"]))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers are forked on Linux only")
 def test_the_launcher_forks_before_any_thread_pool_exists(tmp_path):
-    """Between its imports and the fork, the launcher (loading the data included) starts no thread: no OpenMP pool,
-    whose threads a forked child would not have. The data goes to the workers as it is, not through /dev/shm.
-    MNIST's size: a smaller set would stay under the size at which torch starts its pool."""
+    """Between its imports and the fork, the launcher (loading the data included) starts no thread: no OpenMP
+    pool, whose threads a forked child would not have. The data goes to the workers as it is, not through
+    /dev/shm. MNIST's size: a smaller set would stay under the size at which torch starts its pool."""
     data_dir = write_dataset(str(tmp_path), n_train=60000)
     probe = subprocess.run(
         [sys.executable, "-c", PROBE.format(repo=REPO, data=str(data_dir))],

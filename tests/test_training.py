@@ -10,7 +10,18 @@ import psutil
 import pytest
 import torch
 
-from conftest import N_TEST, N_TRAIN, REPO, finish, free_port, launch, read_json, run_script, script_env, wait_for_line
+from conftest import (
+    N_TEST,
+    N_TRAIN,
+    REPO,
+    finish,
+    free_port,
+    launch,
+    read_json,
+    run_script,
+    script_env,
+    wait_for_line,
+)
 
 METRIC_KEYS = {
     "script",
@@ -40,7 +51,9 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
     assert progress and all(progress), lines
     batches = -(-N_TRAIN // (batch_size * world_size))
     # Only rank 0 prints: one progress line per 10 batches, not one per process.
-    assert [(int(m[1]), int(m[2])) for m in progress] == [(e, b) for e in range(epochs) for b in range(0, batches, 10)]
+    assert [(int(m[1]), int(m[2])) for m in progress] == [
+        (e, b) for e in range(epochs) for b in range(0, batches, 10)
+    ]
     assert all(int(m[3]) == batches for m in progress)
     assert len([line for line in lines if line.startswith("Test set, epoch")]) == epochs
     m = read_json(metrics_path)
@@ -68,7 +81,9 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
     assert 0 <= m["test_accuracy"] <= 1
     # Every rank's peak memory while it worked: more than torch alone takes, less than this machine has.
     peaks = m.get("peak_rss_mib_per_rank", [m.get("peak_rss_mib")])
-    assert len(peaks) == world_size and all(200 < p < psutil.virtual_memory().total / 2**20 for p in peaks), peaks
+    assert len(peaks) == world_size and all(200 < p < psutil.virtual_memory().total / 2**20 for p in peaks), (
+        peaks
+    )
     first_loss = float(progress[0][5])
     assert first_loss > 2.0 and m["final_train_loss"] < first_loss  # started at chance, and learnt
     return m
@@ -76,7 +91,9 @@ def check_run(result, metrics_path, world_size, batch_size, epochs=1):
 
 def test_baseline_article_command_trains_and_reports(data_dir, tmp_path):
     metrics = tmp_path / "m.json"
-    result = run_script("convnet_undistributed.py", "--epochs", 1, "--data-dir", data_dir, "--metrics-json", metrics)
+    result = run_script(
+        "convnet_undistributed.py", "--epochs", 1, "--data-dir", data_dir, "--metrics-json", metrics
+    )
     m = check_run(result, metrics, 1, 128)
     assert m["script"] == "convnet_undistributed.py" and m["device"] == "cpu" and m["amp"] is False
     assert m["threads"] == len(os.sched_getaffinity(0))
@@ -137,7 +154,12 @@ def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
         port,
     ]
     machine1 = launch(
-        "convnet_distributed.py", "--num_machines=2", "--machine_id=1", *common, "--metrics-json", tmp_path / "m1.json"
+        "convnet_distributed.py",
+        "--num_machines=2",
+        "--machine_id=1",
+        *common,
+        "--metrics-json",
+        tmp_path / "m1.json",
     )
     machine0 = launch(
         "convnet_distributed.py",
@@ -158,7 +180,8 @@ def test_two_machines_on_one_host_form_one_group(data_dir, tmp_path):
 
 def test_launches_given_rank_and_world_size_without_local_rank_form_one_group(data_dir, tmp_path):
     """Kubeflow's PyTorchJob, and hand-written env:// jobs: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, no
-    LOCAL_RANK. Each launch joins as one process; rank 0 once trained alone, and rank 1 could not serve the store."""
+    LOCAL_RANK. Each launch joins as one process. Before, rank 0 trained alone and rank 1 could not serve
+    the store."""
     port = free_port()
     common = ["--batch-size", 64, "--data-dir", data_dir, "--threads", 1]
     launches = [
@@ -198,14 +221,15 @@ def test_amp_trains_with_bfloat16_autocast(data_dir, tmp_path):
 
 @pytest.mark.parametrize("script,processes", [("convnet_undistributed.py", 1), ("convnet_distributed.py", 2)])
 def test_the_seed_decides_a_run_to_the_bit_and_amp_changes_it(data_dir, tmp_path, script, processes):
-    """--seed draws the initial weights, the batches' order and the dropout masks: the same seed gives the same run
-    to the bit (on the same threads), another seed another run. --amp computes in bfloat16: other losses."""
+    """--seed draws the initial weights, the batches' order and the dropout masks: the same seed gives the
+    same run to the bit (on the same threads), another seed another run; --amp (bfloat16) changes it."""
 
     def losses(name, *flags):
         metrics = tmp_path / f"{name}.json"
         layout = ["--num-processes", processes, "--master-port", free_port()] if processes > 1 else []
-        result = run_script(script, *layout, "--batch-size", 128 // processes, "--data-dir", data_dir, "--threads", 1,
-                            "--log-interval", 1000, "--metrics-json", metrics, *flags)  # fmt: skip
+        result = run_script(script, *layout, "--batch-size", 128 // processes, "--data-dir", data_dir,
+                            "--threads", 1, "--log-interval", 1000, "--metrics-json", metrics,
+                            *flags)  # fmt: skip
         assert result.returncode == 0, result.stderr
         m = read_json(metrics)
         return [m["final_train_loss"], m["test_loss"], m["test_accuracy"]]
@@ -232,7 +256,12 @@ def torchrun(*args, script_args=()):
         *map(str, script_args),
     ]
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=script_env(), start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
     )
 
 
