@@ -137,8 +137,8 @@ def train(model, optimizer, data, rank, world_size, args):
     """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    ddp_model, allreduce, compression = data_parallel(model, rank, world_size, args)
-    start_epoch = resume(model, optimizer, args, compression) if args.resume else 0
+    ddp_model, allreduce = data_parallel(model, rank, world_size, args)
+    start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, allreduce))
     sampler = DistributedSampler(
         train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
@@ -160,7 +160,7 @@ def train(model, optimizer, data, rank, world_size, args):
         loss = train_loss.item() / world_size
         history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=test_accuracy))
         if args.checkpoint:
-            save_checkpoint(model, optimizer, epoch, args, compression)
+            save_checkpoint(model, optimizer, epoch, args)
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
@@ -234,7 +234,7 @@ def join_group(rank, world_size, args, listener=None):
 
 def data_parallel(model, rank, world_size, args):
     """Wrap model in DDP. Returns it, how it averages the gradients: "shared-memory" (every process on this
-    machine, SharedMemoryAverager) or "gloo", and PowerSGD's state for the checkpoint (None without it)."""
+    machine, SharedMemoryAverager) or "gloo"."""
     averager = shared_memory_averager(model, rank, world_size, args)  # None: over Gloo
     shared_memory = averager is not None
     # DDP broadcasts rank 0's weights: all copies start equal. gradient_as_bucket_view: the averaged gradients
@@ -247,8 +247,9 @@ def data_parallel(model, rank, world_size, args):
     )
     if shared_memory:
         ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
-        return ddp_model, "shared-memory", None
-    return ddp_model, "gloo", compress_gradients(ddp_model, args.compress)
+        return ddp_model, "shared-memory"
+    compress_gradients(ddp_model, args.compress)
+    return ddp_model, "gloo"
 
 
 def worker(local_rank, args, data, listener=None):
@@ -285,15 +286,13 @@ def worker(local_rank, args, data, listener=None):
 # ---- 6. Checkpoint and metrics -----------------------------------------------------------------------------
 
 
-def save_checkpoint(model, optimizer, epoch, args, compression=None):
+def save_checkpoint(model, optimizer, epoch, args):
     state = {
         "format": CHECKPOINT_FORMAT,
         "epoch": epoch,
         "dataset": args.dataset,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        # PowerSGD's error feedback, every rank's (a collective), so that --resume stays exact
-        "compression": compression.state_dict() if compression else None,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
     }
     save_on_rank0(args.checkpoint, lambda f: torch.save(state, f))
@@ -1526,95 +1525,17 @@ def compression_words(compress):
 
 
 def compress_gradients(ddp_model, compress):
-    """--compress: register torch's compressing hook; returns PowerSGD's state (checkpointed), else None."""
+    """--compress: register torch's compressing hook. PowerSGD's state stays out of the checkpoint: a resume
+    that starts it afresh trains as well (bench/README.md)."""
     if compress == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if compress != "powersgd":
-        return None
-    # One bucket (bucket_cap_mb where DDP is made): the hook issues later all-reduces from earlier ones'
-    # callbacks, so two buckets could reach the ranks in different orders, and collectives match by order.
-    powersgd = PowerSGD(ddp_model.module)
-    ddp_model.register_comm_hook(powersgd, PowerSGD.hook)
-    return powersgd
-
-
-class PowerSGD:
-    """torch's PowerSGD hook (one bucket, index 0), with a checkpointable state: error feedback, Q and the
-    step count, saved per parameter, as DDP reorders the bucket after a run's first step."""
-
-    def __init__(self, model):
-        self.state = powerSGD_hook.PowerSGDState(
+    if compress == "powersgd":
+        # One bucket (bucket_cap_mb where DDP is made): the hook issues later all-reduces from earlier ones'
+        # callbacks, so two buckets could reach the ranks in different orders, and collectives match by order.
+        state = powerSGD_hook.PowerSGDState(
             None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS
         )
-        self.names = {id(p): name for name, p in model.named_parameters()}
-        self.shapes = {name: p.shape for name, p in model.named_parameters()}
-        self.order, self.pending = None, None  # the bucket's parameters at the last step; state to lay out
-
-    def hook(self, bucket):
-        order = [self.names[id(p)] for p in bucket.parameters()]
-        if order != self.order and self.pending is None and self.state.error_dict:
-            self.pending = self.per_parameter()
-        if self.pending is not None:
-            self.lay_out(order, *self.pending, bucket.buffer())
-            self.pending = None
-        self.order = order
-        return powerSGD_hook.powerSGD_hook(self.state, bucket)
-
-    def slices(self, order):
-        """Where each parameter's error and Q lie in torch's flat tensors for the bucket in this order (torch
-        groups the matrices worth compressing by shape); and P's length."""
-        error, groups, offset, p_length = {}, {}, 0, 0
-        for name in order:
-            numel = self.shapes[name].numel()
-            error[name] = slice(offset, offset + numel)
-            offset += numel
-            n, m = self.shapes[name][0], numel // self.shapes[name][0]
-            r = min(n, m, self.state.matrix_approximation_rank)
-            if powerSGD_hook._should_compress(n, m, r, self.state.min_compression_rate)[0]:
-                groups.setdefault((n, m), []).append((name, m * r))
-                p_length += n * r
-        q, offset = {}, 0
-        for name, length in (member for members in groups.values() for member in members):
-            q[name] = slice(offset, offset + length)
-            offset += length
-        return error, q, p_length
-
-    def per_parameter(self):
-        """(this rank's error, Q) as {name: tensor} copies (a view saves the whole tensor); empty at first."""
-        if 0 not in self.state.q_memory_dict:
-            return {}, {}
-        error, q, _ = self.slices(self.order)
-        return (
-            {name: self.state.error_dict[0][at].cpu().clone() for name, at in error.items()},
-            {name: self.state.q_memory_dict[0][at].cpu().clone() for name, at in q.items()},
-        )
-
-    def lay_out(self, order, error, q, buffer):
-        if not q:
-            return
-        _, q_at, p_length = self.slices(order)
-        self.state.error_dict[0] = torch.cat([error[name].reshape(-1) for name in order]).to(buffer)
-        self.state.q_memory_dict[0] = torch.cat([q[name] for name in q_at]).to(buffer)
-        self.state.p_memory_dict[0] = torch.empty(p_length, dtype=buffer.dtype, device=buffer.device)
-
-    def state_dict(self):
-        """The step count, Q, and every rank's error, gathered on rank 0: a collective."""
-        error, q = self.pending or self.per_parameter()
-        errors = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(error, errors, dst=0)
-        return {"iter": self.state.iter, "q": q, "errors": errors}
-
-    def load_state_dict(self, saved, args):
-        """Restore a checkpoint's state; one of another world size, or none, starts PowerSGD afresh."""
-        if not saved or len(saved["errors"]) != dist.get_world_size():
-            if saved:
-                print0(
-                    f"{args.checkpoint} holds PowerSGD's state for {len(saved['errors'])} processes: it "
-                    "starts afresh"
-                )
-            return
-        self.state.iter = saved["iter"]
-        self.pending = (saved["errors"][dist.get_rank()], saved["q"])
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def network_cost(device, args):
@@ -1662,9 +1583,9 @@ def raw_folder(args):
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
-def resume(model, optimizer, args, compression=None):
-    """Load --checkpoint into model, optimizer and PowerSGD's state; returns the epoch to start from. Rank 0
-    reads the file (it may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
+def resume(model, optimizer, args):
+    """Load --checkpoint into model and optimizer; returns the epoch to start from. Rank 0 reads the file (it
+    may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
     state, error = None, None
     if dist.get_rank() == 0:
         try:
@@ -1678,8 +1599,6 @@ def resume(model, optimizer, args, compression=None):
         try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-            if compression:
-                compression.load_state_dict(state.get("compression"), args)
         except (RuntimeError, ValueError, KeyError) as e:
             error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error is not None:

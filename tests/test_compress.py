@@ -49,49 +49,62 @@ def set_up(rank, world_size, compress, *flags, dropout=False):
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     labels = tensors()[1]
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    ddp_model, allreduce, powersgd = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
     batches = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)
-    return args, model, optimizer, ddp_model, allreduce, powersgd, batches
+    return args, model, optimizer, ddp_model, allreduce, batches
+
+
+def error_feedback(model, ddp_model):
+    """{name: this rank's error feedback} from torch's PowerSGD state, empty before it compresses. The model
+    is one bucket, and each gradient a view of it (gradient_as_bucket_view): its offset is its place there."""
+    hooks = [state for _, state in ddp_model._comm_hooks if state is not None]
+    errors = hooks[0].error_dict if hooks else {}
+    if 0 not in errors:
+        return {}
+    return {
+        name: errors[0].as_strided(p.grad.shape, p.grad.stride(), p.grad.storage_offset()).clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def first_steps(rank, world_size, compress):
     """STEPS steps, dropout off, recording for each this rank's own gradient (no averaging), the averaged one
     DDP hands the optimizer and, for PowerSGD, the error feedback the hook kept."""
     images, labels, _, _ = tensors()
-    args, model, optimizer, ddp_model, allreduce, powersgd, batches = set_up(rank, world_size, compress)
+    args, model, optimizer, ddp_model, allreduce, batches = set_up(rank, world_size, compress)
     steps = []
     for idx in batches[:STEPS]:
         x, y = convnet_distributed.to_input(images[idx], "mnist"), labels[idx]
         own = torch.autograd.grad(F.nll_loss(model(x), y), list(model.parameters()))
         optimizer.zero_grad(set_to_none=True)
         F.nll_loss(ddp_model(x), y).backward()
-        error = powersgd.per_parameter()[0] if powersgd else {}
+        error = error_feedback(model, ddp_model)
         steps.append({"own": own, "averaged": [p.grad.clone() for p in model.parameters()], "error": error})
         optimizer.step()
-    return {"steps": steps, "allreduce": allreduce, "order": powersgd.order if powersgd else None}
+    buckets = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    return {"steps": steps, "allreduce": allreduce, "buckets": len(buckets)}
 
 
 def resumed_steps(rank, world_size, checkpoint):
     """The script's train_epoch, save_checkpoint and resume, dropout on: RESUME_AT steps, a checkpoint,
-    RESUME_STEPS more; a fresh model resumed from the checkpoint takes the same steps. Both runs' weights."""
+    RESUME_STEPS more; a fresh model resumed from the checkpoint takes the same steps, PowerSGD afresh."""
     images, labels, _, _ = tensors()
     flags = ("--checkpoint", checkpoint, "--resume")
-    args, model, optimizer, ddp_model, _, powersgd, batches = set_up(
-        rank, world_size, "powersgd", *flags, dropout=True
-    )
+    args, model, optimizer, ddp_model, _, batches = set_up(rank, world_size, "powersgd", *flags, dropout=True)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches[:RESUME_AT], 0, args)
-    convnet_distributed.save_checkpoint(model, optimizer, 0, args, powersgd)
+    convnet_distributed.save_checkpoint(model, optimizer, 0, args)
+    saved = [p.detach().clone() for p in model.parameters()]
     later = batches[RESUME_AT : RESUME_AT + RESUME_STEPS]
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
     unbroken = [p.detach().clone() for p in model.parameters()]
-    args, model, optimizer, ddp_model, _, powersgd, _ = set_up(
-        rank, world_size, "powersgd", *flags, dropout=True
-    )
-    convnet_distributed.resume(model, optimizer, args, powersgd)
+    args, model, optimizer, ddp_model, _, _ = set_up(rank, world_size, "powersgd", *flags, dropout=True)
+    convnet_distributed.resume(model, optimizer, args)
+    loaded = [p.detach().clone() for p in model.parameters()]
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, later, 0, args)
-    return {"unbroken": unbroken, "resumed": [p.detach().clone() for p in model.parameters()]}
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return {"saved": saved, "loaded": loaded, "unbroken": unbroken, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +140,7 @@ def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
     plus the ranks' mean error feedback is the true average (rtol 1e-4): nothing is lost, only delayed.
     Biases travel uncompressed, fc1's weight does not; the model is one bucket (two would race over Gloo)."""
     ranks = [r["powersgd"] for r in ranks[0]]
-    assert ranks[0]["order"] and sorted(ranks[0]["order"]) == sorted(NAMES)  # one bucket held every parameter
+    assert ranks[0]["buckets"] == 1  # one bucket held every parameter
     for step in range(STEPS):
         for i, name in enumerate(NAMES):
             true_average = (ranks[0]["steps"][step]["own"][i] + ranks[1]["steps"][step]["own"][i]) / 2
@@ -139,9 +152,7 @@ def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
                     assert r["steps"][step]["error"] == {}
                     continue
                 errors = sum(other["steps"][step]["error"][name] for other in ranks) / len(ranks)
-                kept = averaged + errors.view_as(averaged.contiguous()).as_strided(
-                    averaged.shape, averaged.stride()
-                )
+                kept = averaged + errors
                 torch.testing.assert_close(kept, true_average, rtol=1e-4, atol=1e-5 * scale)
                 if name.endswith("bias"):
                     torch.testing.assert_close(averaged, true_average, rtol=1e-5, atol=1e-6 * scale)
@@ -149,25 +160,22 @@ def test_powersgd_is_exact_first_then_keeps_what_it_leaves_out(ranks):
                     assert not torch.allclose(averaged, true_average, rtol=1e-2, atol=1e-3 * scale)
 
 
-def test_resume_is_exact_with_powersgds_state(ranks):
-    """Steps taken after a checkpoint, and the same steps taken by a fresh model resumed from it, give the
-    same weights, bit for bit: the checkpoint holds each rank's error feedback and the warm-started Q, laid
-    out again for the resumed run's first bucket, whose order DDP has not changed yet. (Without that state
-    PowerSGD would start afresh there, and the weights would differ.)"""
+def test_resume_under_powersgd_restores_the_model_and_starts_powersgd_afresh(ranks):
+    """The checkpoint holds the model and optimizer, not PowerSGD's state (a fresh one trains as well:
+    bench/README.md). A resumed run starts from the saved weights, its copies stay equal, and its steps
+    come close to an unbroken run's, not equal: PowerSGD averages plainly again for its first 2 steps."""
     results, out = ranks
+    assert "compression" not in torch.load(out / "ck.pt", weights_only=True)
     for r in results:
-        for unbroken, resumed in zip(r["resume"]["unbroken"], r["resume"]["resumed"]):
-            assert torch.equal(unbroken, resumed)
-    saved = torch.load(out / "ck.pt", weights_only=True)["compression"]
-    assert saved["iter"] == RESUME_AT and len(saved["errors"]) == 2
-    assert set(saved["errors"][1]) == set(NAMES) and set(saved["q"]) == {
-        "conv2.weight",
-        "fc1.weight",
-        "fc2.weight",
-    }
-    assert not torch.equal(
-        saved["errors"][0]["fc1.weight"], saved["errors"][1]["fc1.weight"]
-    )  # each rank's own
+        for saved, loaded in zip(r["resume"]["saved"], r["resume"]["loaded"]):
+            assert torch.equal(saved, loaded)
+    for a, b in zip(results[0]["resume"]["resumed"], results[1]["resume"]["resumed"]):
+        assert torch.equal(a, b)  # DDP kept the ranks' copies equal
+    # Measured: within 9% of the unbroken run's weights, parameter by parameter, after 4 steps.
+    unbroken, resumed = results[0]["resume"]["unbroken"], results[0]["resume"]["resumed"]
+    for name, u, r in zip(NAMES, unbroken, resumed):
+        assert (r - u).norm() <= 0.25 * u.norm(), name
+    assert not all(torch.equal(u, r) for u, r in zip(unbroken, resumed))  # PowerSGD did start afresh
 
 
 @pytest.mark.parametrize("script", [convnet_distributed, convnet_distributed_cuda])
