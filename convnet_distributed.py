@@ -313,10 +313,12 @@ def main(argv=None):
         job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
         if not args.check:  # once per machine, before the workers: processes fetching into one folder race
             prepare_data(args)
-        data = None if args.check else load_data(args)
+        # A forked worker inherits the data; a spawned one loads its own, no slower than being handed a copy.
+        data = load_data(args) if start_method() == "fork" and not args.check else None
         if args.num_processes == 1:
             worker(0, job, data, listener)
         else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), with the signals held
+            say_if_no_room_for_gradients(job)  # once, here: the workers' rank 0 leaves it to this launcher
             run_workers(job, data, args.num_processes, listener)
 
 
@@ -337,10 +339,9 @@ def parse_args(argv=None):
 #   S2. Rendezvous and roll call: one job, one decision
 #   S3. --check, and compression for slow links
 #   S4. Files: whole or not at all
-#   S5. Room in /dev/shm
-#   S6. Processes, signals and exit
-#   S7. Memory, speed-ups and the run's figures
-#   S8. Command-line values and words
+#   S5. Processes, signals and exit
+#   S6. Memory, speed-ups and the run's figures
+#   S7. Command-line values and words
 # ============================================================================================================
 
 
@@ -481,14 +482,6 @@ def start_method():
     """fork on Linux: a worker starts at once, with the launcher's imports and data (safe: the launcher has no
     thread pool, process group, store or thread yet). spawn elsewhere: macOS's libraries are not fork-safe."""
     return "fork" if sys.platform.startswith("linux") else "spawn"
-
-
-def data_for_workers(data, args):
-    """The data each worker gets: a forked one inherits the launcher's; a spawned one gets it through /dev/shm
-    where there is room after the gradient average's (share_data). None: each loads its own."""
-    fork = start_method() == "fork"
-    shared = share_data(() if fork else data or (), gradient_room(args))
-    return data if fork or shared else None
 
 
 # ---- M2. Network interfaces: where Gloo listens ------------------------------------------------------------
@@ -721,10 +714,10 @@ class SharedMemoryAverager:
         dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
         try:
-            shortfall = [SharedMemoryAverager.reserve(path[0], 4 * size) if rank == 0 else None]
-            dist.broadcast_object_list(shortfall, src=0)  # created: the others may map it
-            if shortfall[0]:
-                raise OSError(errno.ENOSPC, shortfall[0])
+            reserved = [rank != 0 or SharedMemoryAverager.reserve(path[0], 4 * size)]
+            dist.broadcast_object_list(reserved, src=0)  # created: the others may map it
+            if not reserved[0]:
+                raise OSError(errno.ENOSPC, gradient_shortfall(model, world_size, failed=True))
             region = torch.from_file(path[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
@@ -737,19 +730,17 @@ class SharedMemoryAverager:
     @staticmethod
     def reserve(path, size):
         """Create path with size bytes reserved: in torch.from_file's sparse file, a page beyond /dev/shm's
-        room kills its process (SIGBUS). Returns None, or the line saying /dev/shm lacks the room."""
+        room kills its process (SIGBUS). Returns whether /dev/shm had the room."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            return shortfall_line(
-                [(f"the gradient average ({size / 2**20:.0f} MiB)", "gradients are averaged over Gloo")]
-            )
+            return False
         finally:
             os.close(fd)
-        return None
+        return True
 
     @staticmethod
     def floats(numel, world_size):
@@ -759,12 +750,12 @@ class SharedMemoryAverager:
     def fits(model, rank, world_size):
         """Whether /dev/shm has room for the averager, by rank 0's answer. Under an outside launcher, rank 0
         prints a shortfall (this script's own launcher has printed it already)."""
-        need = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
         answer = [None]
         if rank == 0:
-            _, answer[0], shortfall = shared_memory_plan(gradients=need)
+            shortfall = gradient_shortfall(model, world_size)
             if shortfall and not launcher_layout()[1].get("own_launcher", True):
                 print(shortfall, flush=True)
+            answer[0] = shortfall is None
         dist.broadcast_object_list(answer, src=0)
         return answer[0]
 
@@ -807,11 +798,29 @@ def averaging_words(allreduce, args):
     return "over Gloo" + compression_words(args.compress)
 
 
-def gradient_room(args):
-    """The bytes the launcher keeps free in /dev/shm for the SharedMemoryAverager where the workers use it."""
-    if not averages_in_shared_memory(args, args.num_processes * args.num_machines):
-        return 0
-    return 4 * SharedMemoryAverager.floats(sum(p.numel() for p in ConvNet().parameters()), args.num_processes)
+def say_if_no_room_for_gradients(args):
+    """The launcher's line where /dev/shm lacks room for its workers' gradient average."""
+    shared = averages_in_shared_memory(args, args.num_processes * args.num_machines)
+    if shared and (shortfall := gradient_shortfall(ConvNet(), args.num_processes)):
+        print(shortfall, flush=True)
+
+
+def gradient_shortfall(model, world_size, failed=False):
+    """None where /dev/shm has room for the averager's areas, else the line saying it lacks it. failed:
+    reserving the room failed, whatever /dev/shm shows free."""
+    size = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
+    try:
+        stats = os.statvfs("/dev/shm")  # a tmpfs of fixed size: 64 MiB in a container by default
+    except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows): no such cap
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    if size + (1 << 20) <= free and not failed:  # 1 MiB to spare: page rounding, others' small files
+        return None
+    return (
+        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for the gradient average ({size / 2**20:.0f} "
+        "MiB): gradients are averaged over Gloo; for more, run the container with --shm-size=1g (Docker), "
+        "or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
+    )
 
 
 # ============================================================================================================
@@ -1766,73 +1775,7 @@ def checkpoint_note(path, before):
     return f"; {path} holds the last complete epoch"
 
 
-# ---- S5. Room in /dev/shm ----------------------------------------------------------------------------------
-
-
-def share_data(data, gradients=0):
-    """Whether the data reaches the workers through /dev/shm (after room for the gradients); say why not."""
-    size = sum(t.untyped_storage().nbytes() for t in data)
-    data_fits, _, shortfall = shared_memory_plan(size, gradients)
-    if data_fits and data:
-        # Moved now: torch reserves the room (posix_fallocate), so a shortfall is an error here, not a SIGBUS.
-        try:
-            for t in data:
-                t.share_memory_()
-        except RuntimeError as e:
-            for t in data:
-                if t.is_shared():
-                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
-            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, left there
-                with contextlib.suppress(OSError):
-                    os.unlink("/dev/shm" + name)
-            data_fits = False
-            shortfall = shortfall_line(
-                [(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")]
-            )
-    if shortfall:
-        print(shortfall, flush=True)
-    return data_fits
-
-
-def shared_memory_plan(data=0, gradients=0):
-    """(data fits, gradients fit, None or the line saying what does not) for /dev/shm, a fixed-size tmpfs
-    (64 MiB in containers by default; beyond, SIGBUS). Gradients first: they speed every step."""
-    try:
-        stats = os.statvfs("/dev/shm")
-    except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows)
-        return True, True, None
-    free, slack = stats.f_bavail * stats.f_frsize, 1 << 20  # slack: page rounding, others' small files
-    gradients_fit = gradients + slack <= free
-    data_fits = data + (gradients if gradients_fit else 0) + slack <= free
-    left_out = (
-        [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
-    )
-    if not gradients_fit:
-        left_out.append(
-            (f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo")
-        )
-    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
-
-
-def shortfall_line(left_out, free=None):
-    """The line saying what /dev/shm lacks room for, what happens instead ([(what, instead)]), and the fix."""
-    if free is None:
-        with contextlib.suppress(OSError, AttributeError):
-            stats = os.statvfs("/dev/shm")
-            free = stats.f_bavail * stats.f_frsize
-    room = (
-        "shared memory has too little room"
-        if free is None
-        else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
-    )
-    return (
-        f"{room} for {' and '.join(what for what, _ in left_out)}: "
-        f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
-        "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
-    )
-
-
-# ---- S6. Processes, signals and exit -----------------------------------------------------------------------
+# ---- S5. Processes, signals and exit -----------------------------------------------------------------------
 
 
 def run_workers(args, data, nprocs, listener):
@@ -1842,11 +1785,10 @@ def run_workers(args, data, nprocs, listener):
     try:
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, letting held signals through as it starts
-        given = data_for_workers(data, args)
         with hold_signals() as signal_state:
             context = mp.start_processes(
                 spawned_worker,
-                args=(args, given, listener, signal_state),
+                args=(args, data, listener, signal_state),
                 nprocs=nprocs,
                 join=False,
                 start_method=start_method(),
@@ -2013,7 +1955,7 @@ def exit_at_once(status=0):
     os._exit(status or 0)
 
 
-# ---- S7. Memory, speed-ups and the run's figures -----------------------------------------------------------
+# ---- S6. Memory, speed-ups and the run's figures -----------------------------------------------------------
 
 
 def print0(message):
@@ -2118,7 +2060,7 @@ def peak_memory_mib():
     return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
 
 
-# ---- S8. Command-line values and words ---------------------------------------------------------------------
+# ---- S7. Command-line values and words ---------------------------------------------------------------------
 
 
 def complete_args(parser, args):

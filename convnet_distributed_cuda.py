@@ -255,7 +255,7 @@ def worker(local_rank, args, data, listener=None):
         if job.check:
             check_group(world_size, device, job)
             return
-        if data is None:  # under torchrun: one process per machine fetches the files, the others wait
+        if data is None:  # none handed down: local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
             dist.barrier()
@@ -310,11 +310,11 @@ def main(argv=None):
         job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
         if not args.check:  # once per machine, before the workers: processes fetching into one folder race
             prepare_data(args)
-        data = None if args.check else load_data(args)
+        # Each spawned worker loads its own data (55 MB, 0.2 s): no slower than being handed a copy.
         if args.num_gpu_processes == 1:
-            worker(0, job, data, listener)
-        else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), with the signals held
-            run_workers(job, data, args.num_gpu_processes, listener)
+            worker(0, job, None, listener)
+        else:  # mp.spawn(worker, args=(args, None, listener), nprocs=N), with the signals held
+            run_workers(job, None, args.num_gpu_processes, listener)
 
 
 def parse_args(argv=None):
@@ -327,7 +327,7 @@ def parse_args(argv=None):
 
 # ============================================================================================================
 # Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
-# M1-M2: this script's own rooms. S1-S8: the shared block, the same code as in convnet_distributed.py.
+# M1-M2: this script's own rooms. S1-S7: the shared block, the same code as in convnet_distributed.py.
 # ============================================================================================================
 
 
@@ -459,11 +459,6 @@ def fill_layout(parser, args):
 def start_method():
     """spawn: CUDA cannot run in a forked child of a process that has used it, as the launcher has."""
     return "spawn"
-
-
-def data_for_workers(data, args):
-    """The data run_workers hands each worker: one copy per machine in /dev/shm (share_data), or None."""
-    return data if data and share_data(data) else None
 
 
 # ---- M2. GPUs and NCCL -------------------------------------------------------------------------------------
@@ -1512,73 +1507,7 @@ def checkpoint_note(path, before):
     return f"; {path} holds the last complete epoch"
 
 
-# ---- S5. Room in /dev/shm ----------------------------------------------------------------------------------
-
-
-def share_data(data, gradients=0):
-    """Whether the data reaches the workers through /dev/shm (after room for the gradients); say why not."""
-    size = sum(t.untyped_storage().nbytes() for t in data)
-    data_fits, _, shortfall = shared_memory_plan(size, gradients)
-    if data_fits and data:
-        # Moved now: torch reserves the room (posix_fallocate), so a shortfall is an error here, not a SIGBUS.
-        try:
-            for t in data:
-                t.share_memory_()
-        except RuntimeError as e:
-            for t in data:
-                if t.is_shared():
-                    t.set_(t.clone())  # back to private memory: its room in /dev/shm goes
-            for name in re.findall(r"<(/torch_[^>/]+)>", str(e)):  # the file torch could not fill, left there
-                with contextlib.suppress(OSError):
-                    os.unlink("/dev/shm" + name)
-            data_fits = False
-            shortfall = shortfall_line(
-                [(f"the data ({size / 2**20:.0f} MiB)", "each process loads its own copy")]
-            )
-    if shortfall:
-        print(shortfall, flush=True)
-    return data_fits
-
-
-def shared_memory_plan(data=0, gradients=0):
-    """(data fits, gradients fit, None or the line saying what does not) for /dev/shm, a fixed-size tmpfs
-    (64 MiB in containers by default; beyond, SIGBUS). Gradients first: they speed every step."""
-    try:
-        stats = os.statvfs("/dev/shm")
-    except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows)
-        return True, True, None
-    free, slack = stats.f_bavail * stats.f_frsize, 1 << 20  # slack: page rounding, others' small files
-    gradients_fit = gradients + slack <= free
-    data_fits = data + (gradients if gradients_fit else 0) + slack <= free
-    left_out = (
-        [] if data_fits else [(f"the data ({data / 2**20:.0f} MiB)", "each process loads its own copy")]
-    )
-    if not gradients_fit:
-        left_out.append(
-            (f"the gradient average ({gradients / 2**20:.0f} MiB)", "gradients are averaged over Gloo")
-        )
-    return data_fits, gradients_fit, shortfall_line(left_out, free) if left_out else None
-
-
-def shortfall_line(left_out, free=None):
-    """The line saying what /dev/shm lacks room for, what happens instead ([(what, instead)]), and the fix."""
-    if free is None:
-        with contextlib.suppress(OSError, AttributeError):
-            stats = os.statvfs("/dev/shm")
-            free = stats.f_bavail * stats.f_frsize
-    room = (
-        "shared memory has too little room"
-        if free is None
-        else f"/dev/shm has {free / 2**20:.0f} MiB free, too little"
-    )
-    return (
-        f"{room} for {' and '.join(what for what, _ in left_out)}: "
-        f"{' and '.join(instead for _, instead in left_out)}; for more, run the container with --shm-size=1g "
-        "(Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
-    )
-
-
-# ---- S6. Processes, signals and exit -----------------------------------------------------------------------
+# ---- S5. Processes, signals and exit -----------------------------------------------------------------------
 
 
 def run_workers(args, data, nprocs, listener):
@@ -1588,11 +1517,10 @@ def run_workers(args, data, nprocs, listener):
     try:
         if start_method() == "spawn" and os.name == "posix":
             resource_tracker.ensure_running()  # spawn starts it, letting held signals through as it starts
-        given = data_for_workers(data, args)
         with hold_signals() as signal_state:
             context = mp.start_processes(
                 spawned_worker,
-                args=(args, given, listener, signal_state),
+                args=(args, data, listener, signal_state),
                 nprocs=nprocs,
                 join=False,
                 start_method=start_method(),
@@ -1759,7 +1687,7 @@ def exit_at_once(status=0):
     os._exit(status or 0)
 
 
-# ---- S7. Memory, speed-ups and the run's figures -----------------------------------------------------------
+# ---- S6. Memory, speed-ups and the run's figures -----------------------------------------------------------
 
 
 def print0(message):
@@ -1864,7 +1792,7 @@ def peak_memory_mib():
     return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
 
 
-# ---- S8. Command-line values and words ---------------------------------------------------------------------
+# ---- S7. Command-line values and words ---------------------------------------------------------------------
 
 
 def complete_args(parser, args):

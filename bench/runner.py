@@ -2,8 +2,8 @@
 
 Memory is the largest resident set size (RSS) that any process of the launched tree reached over its
 whole life, as the kernel counts it (wait4(2), what `/usr/bin/time -v` reports): exact, exit included.
-RSS counts the shared pages a process has touched, so the ranks of one launch, which share one copy of
-the data set, each count it.
+RSS counts the shared pages a process has touched, so the forked ranks of one launch, which share the
+launcher's copy of the data set, each count it.
 """
 
 import os

@@ -104,10 +104,10 @@ def test_the_baseline_runs_without_sched_getaffinity(data_dir, tmp_path, elsewhe
 
 
 def test_the_distributed_script_runs_without_fcntl_and_dev_shm(data_dir, tmp_path, elsewhere):
-    """Two launches as two machines of 2 processes each (on this host): the data is shared with the workers by
-    the system's shared memory, the gradients go over Gloo, and rank 0 says to set GLOO_SOCKET_IFNAME, which
-    it cannot choose there. The import of fcntl once stopped the script on Windows; then, without resource,
-    every run ended in a traceback after its last epoch (torch.tensor([None]) for peak memory), no metrics."""
+    """Two launches as two machines of 2 processes each (on this host): the spawned workers load their own
+    data, the gradients go over Gloo, and rank 0 says to set GLOO_SOCKET_IFNAME, which it cannot choose there.
+    The import of fcntl once stopped the script on Windows; then, without resource, every run ended in a
+    traceback after its last epoch (torch.tensor([None]) for peak memory), no metrics."""
     port = free_port()
     common = ["--num-processes", 2, "--batch-size", 32, "--data-dir", data_dir, "--master-port", port,
               "--num-machines", 2]  # fmt: skip
@@ -159,7 +159,7 @@ WINDOWS_LACKS = {
 # Each call of one of them, and why it is safe where it is missing.
 GUARDED = {
     ("os", "sched_getaffinity"): "hasattr(os, 'sched_getaffinity')",
-    ("os", "statvfs"): "AttributeError caught in shared_memory_plan",
+    ("os", "statvfs"): "AttributeError caught in gradient_shortfall",
     ("os", "sched_yield"): "SharedMemoryAverager, which runs on Linux x86-64 alone",
     ("signal", "pthread_sigmask"): "hasattr(signal, 'pthread_sigmask')",
     ("signal", "SIG_BLOCK"): "with pthread_sigmask, behind its hasattr",
