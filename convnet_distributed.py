@@ -336,12 +336,14 @@ def parse_args(argv=None):
 #   M3. The gradient average in shared memory
 #   and the shared block, the same code in the other distributed script:
 #   S1. Launchers: who started this process, and the layout it says
-#   S2. Rendezvous and roll call: one job, one decision
-#   S3. --check, and compression for slow links
-#   S4. Files: whole or not at all
-#   S5. Processes, signals and exit
-#   S6. Memory, speed-ups and the run's figures
-#   S7. Command-line values and words
+#   S2. The rendezvous: machine 0's port and store
+#   S3. The roll call: one job, one decision
+#   S4. Stopping together, and reaching every machine
+#   S5. --check, and compression for slow links
+#   S6. Files: whole or not at all
+#   S7. Processes, signals and exit
+#   S8. Memory, speed-ups and the run's figures
+#   S9. Command-line values and words
 # ============================================================================================================
 
 
@@ -951,7 +953,7 @@ def expand_counts(text):
     return counts
 
 
-# ---- S2. Rendezvous and roll call: one job, one decision ---------------------------------------------------
+# ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -1026,34 +1028,6 @@ def claim_port(args):
     return listener, port
 
 
-def job_record(args, **decided):
-    """The job as decided: this command's flags (args, never changed), with what the launch decided."""
-    return argparse.Namespace(**{**vars(args), **decided})
-
-
-def machine0_twice(args):
-    """The port is held: if by this job's machine 0 from another launch, every launch stops; else this one
-    alone. Asked in a thread: a program that is no store may never answer."""
-    found, me = [], roll_call_record(0, placement(args, 0)[1], args)
-
-    def ask():
-        with contextlib.suppress(RuntimeError, ValueError):
-            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
-            if store.check(["job"]) and not store.check(["ready"]):
-                found.append((store, from_json(store.get("job"))))
-
-    asking = threading.Thread(target=ask, daemon=True)
-    asking.start()
-    asking.join(5)
-    if found and is_record(found[0][1]):
-        (store, first) = found[0]
-        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me[
-            "launch"
-        ]:
-            abort_job(store, 0, args, claimed_twice(0, first, me, args))
-
-
 def bound_socket(candidates):
     """A socket bound (not listening) to the first (family, address) this system has, as TCPStore binds."""
     for i, (family, address) in enumerate(candidates):
@@ -1090,6 +1064,29 @@ def port_holder(port):
     return None
 
 
+def machine0_twice(args):
+    """The port is held: if by this job's machine 0 from another launch, every launch stops; else this one
+    alone. Asked in a thread: a program that is no store may never answer."""
+    found, me = [], roll_call_record(0, placement(args, 0)[1], args)
+
+    def ask():
+        with contextlib.suppress(RuntimeError, ValueError):
+            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+            if store.check(["job"]) and not store.check(["ready"]):
+                found.append((store, from_json(store.get("job"))))
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(5)
+    if found and is_record(found[0][1]):
+        (store, first) = found[0]
+        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me[
+            "launch"
+        ]:
+            abort_job(store, 0, args, claimed_twice(0, first, me, args))
+
+
 def resolve(name, rank, deadline):
     """Wait for name to resolve (new DNS records can take seconds); after RESOLVE_SECONDS, it is a mistake."""
     give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
@@ -1110,6 +1107,14 @@ def is_loopback(address):
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
+def torchrun_attempt():
+    """This torchrun attempt's key prefix: the store outlives a restart, which must not read old keys."""
+    return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+
+
+# ---- S3. The roll call: one job, one decision --------------------------------------------------------------
+
+
 # What changes the computation or travels between processes agrees on every machine (the first four: the
 # layout). Rank 0's files follow its command alone; the rest are each machine's own.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size",
@@ -1121,6 +1126,11 @@ RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
 
 
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
+
+
+def job_record(args, **decided):
+    """The job as decided: this command's flags (args, never changed), with what the launch decided."""
+    return argparse.Namespace(**{**vars(args), **decided})
 
 
 def roll_call(store, rank, world_size, args):
@@ -1396,6 +1406,22 @@ def check_same_data(data, rank, args):
         abort_job(None, rank, args, line)
 
 
+# ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
+
+
+def abort_job(store, rank, args, line):
+    """Stop with line, said once per machine (by local rank 0); with store, every process of the job stops."""
+    if store is not None:
+        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
+            store.set("abort", line)
+    if store is not None or rank == 0:
+        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line first
+    if local_rank_of(rank, args) != 0:
+        time.sleep(2)
+        sys.exit(1)
+    sys.exit(line)
+
+
 @contextlib.contextmanager
 def exit_on_abort(rank, args, stderr=2):
     """Around a wait in C++ for every process (the backend's connecting): another's line in the store
@@ -1425,24 +1451,6 @@ def exit_on_abort(rank, args, stderr=2):
     finally:
         done.set()
         watcher.join(5)
-
-
-def torchrun_attempt():
-    """This torchrun attempt's key prefix: the store outlives a restart, which must not read old keys."""
-    return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
-
-
-def abort_job(store, rank, args, line):
-    """Stop with line, said once per machine (by local rank 0); with store, every process of the job stops."""
-    if store is not None:
-        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
-            store.set("abort", line)
-    if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line first
-    if local_rank_of(rank, args) != 0:
-        time.sleep(2)
-        sys.exit(1)
-    sys.exit(line)
 
 
 def local_rank_of(rank, args):
@@ -1501,7 +1509,7 @@ def all_set(store, keys, deadline):
     return False
 
 
-# ---- S3. --check, and compression for slow links -----------------------------------------------------------
+# ---- S5. --check, and compression for slow links -----------------------------------------------------------
 
 
 def check_group(world_size, device, args):
@@ -1584,7 +1592,7 @@ def network_cost(device, args):
     return line
 
 
-# ---- S4. Files: whole or not at all ------------------------------------------------------------------------
+# ---- S6. Files: whole or not at all ------------------------------------------------------------------------
 
 
 def raw_folder(args):
@@ -1775,7 +1783,7 @@ def checkpoint_note(path, before):
     return f"; {path} holds the last complete epoch"
 
 
-# ---- S5. Processes, signals and exit -----------------------------------------------------------------------
+# ---- S7. Processes, signals and exit -----------------------------------------------------------------------
 
 
 def run_workers(args, data, nprocs, listener):
@@ -1955,7 +1963,7 @@ def exit_at_once(status=0):
     os._exit(status or 0)
 
 
-# ---- S6. Memory, speed-ups and the run's figures -----------------------------------------------------------
+# ---- S8. Memory, speed-ups and the run's figures -----------------------------------------------------------
 
 
 def print0(message):
@@ -2060,7 +2068,7 @@ def peak_memory_mib():
     return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
 
 
-# ---- S7. Command-line values and words ---------------------------------------------------------------------
+# ---- S9. Command-line values and words ---------------------------------------------------------------------
 
 
 def complete_args(parser, args):
