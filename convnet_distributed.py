@@ -318,7 +318,6 @@ def main(argv=None):
         if args.num_processes == 1:
             worker(0, job, data, listener)
         else:  # mp.spawn(worker, args=(args, data, listener), nprocs=N), with the signals held
-            say_if_no_room_for_gradients(job)  # once, here: the workers' rank 0 leaves it to this launcher
             run_workers(job, data, args.num_processes, listener)
 
 
@@ -750,12 +749,12 @@ class SharedMemoryAverager:
 
     @staticmethod
     def fits(model, rank, world_size):
-        """Whether /dev/shm has room for the averager, by rank 0's answer. Under an outside launcher, rank 0
-        prints a shortfall (this script's own launcher has printed it already)."""
+        """Whether /dev/shm has room for the averager, by rank 0's answer; rank 0 says where it has not (once
+        per machine: the averager runs only where every process is on one)."""
         answer = [None]
         if rank == 0:
             shortfall = gradient_shortfall(model, world_size)
-            if shortfall and not launcher_layout()[1].get("own_launcher", True):
+            if shortfall:
                 print(shortfall, flush=True)
             answer[0] = shortfall is None
         dist.broadcast_object_list(answer, src=0)
@@ -798,13 +797,6 @@ def averaging_words(allreduce, args):
             " (--compress acts across machines only)" if args.compress != "none" else ""
         )
     return "over Gloo" + compression_words(args.compress)
-
-
-def say_if_no_room_for_gradients(args):
-    """The launcher's line where /dev/shm lacks room for its workers' gradient average."""
-    shared = averages_in_shared_memory(args, args.num_processes * args.num_machines)
-    if shared and (shortfall := gradient_shortfall(ConvNet(), args.num_processes)):
-        print(shortfall, flush=True)
 
 
 def gradient_shortfall(model, world_size, failed=False):

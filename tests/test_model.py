@@ -111,6 +111,22 @@ def test_each_file_speaks_of_its_own_code():
     assert "Gloo's threads" not in inspect.getsource(convnet_distributed_cuda)
 
 
+@pytest.mark.parametrize("module", [convnet_distributed, convnet_distributed_cuda])
+def test_the_story_shows_ddp_on_at_most_330_lines(module):
+    """A learner reads the story above the machinery banner in one sitting, and sees DDP's pieces there."""
+    source = inspect.getsource(module)
+    story = source[: source.index("\n# ====")]
+    assert story.count("\n") + 1 <= 330
+    for piece in (
+        "TCPStore(",
+        "init_process_group(",
+        "DistributedSampler(",
+        "DistributedDataParallel(",
+        "destroy_process_group(",
+    ):
+        assert piece in story, piece
+
+
 def test_each_backends_own_code_stays_outside_the_shared_block():
     """The CPU script has no NCCL branch, the GPU script no Gloo-only code: each backend's code is its own."""
     block = shared_block(convnet_distributed)
