@@ -310,7 +310,7 @@ def main(argv=None):
         job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
         if not args.check:  # once per machine, before the workers: processes fetching into one folder race
             prepare_data(args)
-        # Each spawned worker loads its own data (55 MB, 0.2 s): no slower than being handed a copy.
+        # Each spawned worker loads its own data: no slower than being handed a copy (bench/README.md).
         if args.num_gpu_processes == 1:
             worker(0, job, None, listener)
         else:  # mp.spawn(worker, args=(args, None, listener), nprocs=N), with the signals held

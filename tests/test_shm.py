@@ -64,10 +64,23 @@ def namespaces_unavailable():
         ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
         capture_output=True,
         text=True,
+        timeout=30,
     )
     if probe.returncode != 0:
         return f"cannot make a mount namespace with its own /dev/shm here: {probe.stderr.strip()}"
     return None
+
+
+def in_small_dev_shm(size_mib, command, timeout):
+    """command, run in a mount namespace whose /dev/shm is a tmpfs of size_mib, as in a container."""
+    mount = f'mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec "$@"'
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", mount, "sh", *command],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=timeout,
+    )
 
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
@@ -79,14 +92,7 @@ def test_eight_processes_train_in_a_containers_small_dev_shm(data_dir, tmp_path,
     command = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--num-processes", "8",
                "--batch-size", "16", "--data-dir", str(data_dir), "--master-port", str(free_port()),
                "--metrics-json", str(metrics)]  # fmt: skip
-    mount = f'mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec "$@"'
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", mount, "sh", *command],
-        capture_output=True,
-        text=True,
-        env=script_env(),
-        timeout=400,
-    )
+    result = in_small_dev_shm(size_mib, command, timeout=400)
     assert result.returncode == 0, result.stderr
     m = read_json(metrics)
     assert m["world_size"] == 8 and m["test_accuracy"] > 0.8
@@ -131,17 +137,12 @@ def test_room_taken_in_dev_shm_after_the_check_is_one_line_not_a_sigbus(tmp_path
     reserved now as the file is made (posix_fallocate): a shortfall there is one line, and the gradients go
     over Gloo."""
     (tmp_path / "short.py").write_text(SHORT_OF_ROOM.format(repo=REPO, port=free_port()))
-    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", mount, "sh", sys.executable, str(tmp_path / "short.py")],
-        capture_output=True, text=True, env=script_env(), timeout=120,
-    )  # fmt: skip
+    result = in_small_dev_shm(1, [sys.executable, str(tmp_path / "short.py")], timeout=120)
     assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)  # -7: SIGBUS
     advice = (
         "; for more, run the container with --shm-size=1g (Docker), "
-        "or mount an emptyDir with medium: Memory at "
+        "or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
     )
-    advice += "/dev/shm (Kubernetes)"
     assert result.stdout.splitlines() == [
         "/dev/shm has 1 MiB free, too little for the gradient average (2 MiB): "
         "gradients are averaged over Gloo" + advice,
@@ -173,21 +174,14 @@ if __name__ == "__main__":  # a spawned worker imports this file too
 
 @pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
 def test_spawned_workers_load_their_own_data_and_put_none_in_dev_shm(data_dir, tmp_path):
-    """Spawned workers were handed the data through /dev/shm where it fitted: 55 MB there, for a start-up no
-    faster than each loading its own (0.2 s). In a container's 64 MiB now only the gradient areas go there."""
+    """Spawned workers were handed the data through /dev/shm where it fitted, for a start-up no faster than
+    each loading its own (bench/README.md). In a container's 64 MiB now only the gradient areas go there."""
     (tmp_path / "spawned.py").write_text(SPAWNED.format(repo=REPO))
     metrics = tmp_path / "m.json"
     command = [sys.executable, str(tmp_path / "spawned.py"), "--num-processes", "2", "--batch-size", "32",
                "--data-dir", str(data_dir), "--master-port", str(free_port()),
                "--metrics-json", str(metrics)]  # fmt: skip
-    mount = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"'
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", mount, "sh", *command],
-        capture_output=True,
-        text=True,
-        env=script_env(),
-        timeout=300,
-    )
+    result = in_small_dev_shm(64, command, timeout=300)
     assert result.returncode == 0, result.stderr
     m = read_json(metrics)
     assert m["world_size"] == 2 and m["test_accuracy"] > 0.8 and m["allreduce"] == "shared-memory"
