@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
 """Training of a small ConvNet on MNIST in one process: the baseline for the distributed scripts.
 
-One process, all of this machine's cores:
-    python convnet_undistributed.py --epochs 1
-Fashion-MNIST, bfloat16 autocast, a checkpoint after every epoch that a rerun continues from:
-    python convnet_undistributed.py --dataset fashion-mnist --amp --epochs 3 --checkpoint ck.pt --resume
+python convnet_undistributed.py --epochs 1  # on every usable core
+python convnet_undistributed.py --dataset fashion-mnist --amp --epochs 3 --checkpoint ck.pt --resume
 """
 
 import argparse
 import contextlib
 import ctypes
+import functools
 import gzip
 import io
 import json
@@ -22,20 +21,17 @@ import tempfile
 import time
 import traceback
 
-LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
+LAUNCH_TIME = time.time()  # before the heavy imports, which total_seconds counts
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision import datasets
+from torchvision.datasets import MNIST, FashionMNIST
 
 # ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 TEST_BATCH_SIZE = 128  # small: on a CPU its activations stay in cache
-# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
-DATASETS = {
-    "mnist": (datasets.MNIST, 0.1302, 0.3069),
-    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
-}
+# --dataset: its class, and the mean and std of its training pixels in [0, 1]
+DATASETS = {"mnist": (MNIST, 0.1302, 0.3069), "fashion-mnist": (FashionMNIST, 0.2860, 0.3530)}
 
 
 # ---- 2. The model
@@ -140,8 +136,7 @@ def to_input(images, dataset):
 
 
 def epoch_batches(num_samples, epoch, batch_size, seed):
-    """An epoch's batches of indices, in a new order each epoch: those a DistributedSampler of one process
-    draws, so that this script and the distributed ones see the same batches."""
+    """An epoch's batches of indices, in the order a DistributedSampler of one process draws them."""
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
     return order.split(batch_size)
 
@@ -153,71 +148,68 @@ def train(model, optimizer, data, args):
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     threads = plural(args.threads, "thread") + (args.threads_from and f", from {args.threads_from}")
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging", flush=True)
-    train_seconds, history = 0.0, []
+    seconds, history, count, train_loss = 0.0, [], len(test_labels), None
     for epoch in range(start_epoch, args.epochs):
         torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken one
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
         start = time.perf_counter()
-        train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args)
-        train_seconds += time.perf_counter() - start
-        loss, accuracy, count = evaluate(model, test_images, test_labels, args)
+        train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args).item()
+        seconds += time.perf_counter() - start
+        loss, accuracy = evaluate(model, test_images, test_labels, args)
         release_freed_memory()
         correct = f"{round(accuracy * count)}/{count} ({100 * accuracy:.2f}%)"
         print(f"Test set, epoch {epoch}: average loss {loss:.4f}, accuracy {correct}")
-        history.append(
-            {"epoch": epoch, "train_loss": train_loss.item(), "test_loss": loss, "test_accuracy": accuracy}
-        )
-        if args.checkpoint:
-            save_checkpoint(model, optimizer, epoch, args)
+        history.append(dict(epoch=epoch, train_loss=train_loss, test_loss=loss, test_accuracy=accuracy))
+        if args.checkpoint:  # whole or not at all
+            state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
+            state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+            if error := write_atomically(args.checkpoint, functools.partial(torch.save, state)):
+                sys.exit(error)
     if not history:
         print(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
-        loss, accuracy, count = evaluate(model, test_images, test_labels, args)
-    speed = len(history) * len(train_labels) / train_seconds if train_seconds else None
+        loss, accuracy = evaluate(model, test_images, test_labels, args)
+    speed = len(history) * len(train_labels) / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
-    print(f"Train loop {train_seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
+    print(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
     metrics = dict(script=os.path.basename(__file__), dataset=args.dataset, device="cpu", world_size=1)
     metrics.update(epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size, amp=args.amp)
-    metrics.update(global_batch_size=args.batch_size, threads=args.threads, train_seconds=train_seconds)
+    metrics.update(global_batch_size=args.batch_size, threads=args.threads, train_seconds=seconds)
     metrics.update(total_seconds=total, samples_per_second=speed, test_loss=loss, test_accuracy=accuracy)
-    metrics.update(final_train_loss=history[-1]["train_loss"] if history else None, test_samples=count)
+    metrics.update(final_train_loss=train_loss, test_samples=count)
     metrics.update(peak_rss_mib=peak_memory_mib(), history=history)
-    if args.metrics_json:
-        json_bytes = json.dumps(metrics, indent=2).encode() + b"\n"
-        if error := write_atomically(args.metrics_json, lambda f: f.write(json_bytes)):
-            sys.exit(error)
-    print(f"Finished training in {train_seconds:.2f} secs")
+    text = json.dumps(metrics, indent=2) + "\n"
+    if args.metrics_json and (error := write_atomically(args.metrics_json, lambda f: f.write(text.encode()))):
+        sys.exit(error)
+    print(f"Finished training in {seconds:.2f} secs")
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
     """One pass over the batches; returns the mean training loss (a tensor)."""
     model.train()
-    loss_sum = torch.zeros((), device=images.device)
+    loss_sum = torch.zeros(())
     for i, idx in enumerate(batches):
-        x, y = to_input(images[idx], args.dataset), labels[idx]
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = F.nll_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(to_input(images[idx], args.dataset)), labels[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            progress = f"[{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]"
+            progress = f"[{i}/{len(batches)} ({100 * i / len(batches):.0f}%)]"
             print(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}", flush=True)
     return loss_sum / len(batches)
 
 
 def evaluate(model, images, labels, args):
-    """Loss, accuracy and image count over the whole test set."""
+    """Mean loss and accuracy over the whole test set."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
-    with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
-        for idx in torch.arange(len(labels), device=images.device).split(TEST_BATCH_SIZE):
-            output, y = model(to_input(images[idx], args.dataset)), labels[idx]
-            totals[0] += F.nll_loss(output, y, reduction="sum")
-            totals[1] += (output.argmax(1) == y).sum()
-            totals[2] += len(idx)
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / count, correct / count, int(count)
+    loss_sum = correct = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
+        for x, y in zip(images.split(TEST_BATCH_SIZE), labels.split(TEST_BATCH_SIZE)):
+            output = model(to_input(x, args.dataset))
+            loss_sum += F.nll_loss(output, y, reduction="sum").item()
+            correct += (output.argmax(1) == y).sum().item()
+    return loss_sum / len(labels), correct / len(labels)
 
 
 def plural(n, word):
@@ -235,13 +227,6 @@ def peak_memory_mib():
 
 
 # ---- 5. Checkpoint
-def save_checkpoint(model, optimizer, epoch, args):
-    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
-    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    if error := write_atomically(args.checkpoint, lambda f: torch.save(state, f)):
-        sys.exit(error)  # its one line: the file there before stays whole
-
-
 def resume(model, optimizer, args):
     """Load --checkpoint into model and optimizer; returns the epoch to start from."""
     try:
@@ -255,13 +240,12 @@ def resume(model, optimizer, args):
         sys.exit(f"error: --resume: {args.checkpoint} does not fit this model ({' '.join(str(e).split())})")
     except ValueError as e:
         sys.exit(f"error: --resume: {e}")
-    epoch = state["epoch"]
-    print(f"Resuming from {args.checkpoint}: epoch {epoch} done, starting epoch {epoch + 1}")
-    group = optimizer.param_groups[0]  # --lr wins over the saved rate, as every flag of a resumed run does
-    if group["lr"] != args.lr:
+    done, group = state["epoch"], optimizer.param_groups[0]
+    print(f"Resuming from {args.checkpoint}: epoch {done} done, starting epoch {done + 1}")
+    if group["lr"] != args.lr:  # --lr wins, as every flag of a resumed run does
         print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
     group["lr"] = args.lr
-    return epoch + 1
+    return done + 1
 
 
 def read_checkpoint(args):
@@ -284,17 +268,16 @@ def read_checkpoint(args):
 # ---- 6. Launch and command line
 def main(argv=None):
     args = parse_args(argv)
-    before = file_version(args.checkpoint)  # the stop line tells whether this launch replaced it
+    before = file_version(args.checkpoint)  # the stop line says whether this launch replaced it
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     try:
         prepare_data(args)
-        data = load_data(args)
         torch.manual_seed(args.seed)
         model = ConvNet().to(memory_format=torch.channels_last)  # the layout the convolution kernels work in
         keep_pool_gradient_channels_last(model)
-        train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), data, args)
+        train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), load_data(args), args)
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
         print(how + checkpoint_note(args.checkpoint, before), file=sys.stderr)
@@ -307,18 +290,16 @@ def parse_args(argv=None):
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
     for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    try:  # threads_from: what capped the default threads, said in the layout line
+    try:  # threads_from: what capped them, for the layout line
         args.threads, args.threads_from = (args.threads, "") if args.threads else default_threads()
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(
-            f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads "
-            "(1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-        )
+        omp = f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a count of threads"
+        parser.error(f"{omp} (such as 4, or 4,2 per nesting level): fix it, or pass --threads")
     return args
 
 
@@ -333,7 +314,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def add(flag, help, **options):  # a flag of two words takes the article's spelling too: --batch_size
+    def add(flag, help, **options):  # two words take the article's spelling too: --batch_size
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
     add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1, metavar="N")
@@ -341,16 +322,13 @@ def build_parser():
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5, metavar="LR")
     add("--seed", "random seed (default: 0)", type=int, default=0, metavar="N")
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    layout = "torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw"
-    add("--data-dir", f"data folder, {layout} (default: ./data)", default="./data", metavar="DIR")
-    interval = "batches between progress lines (default: 10)"
-    add("--log-interval", interval, type=positive_int, default=10, metavar="N")
+    add("--data-dir", "data folder, torchvision's layout (default: ./data)", default="./data", metavar="DIR")
+    add("--log-interval", "batches per log line (default: 10)", type=positive_int, default=10, metavar="N")
     threads = "intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)"
-    add("--threads", threads, type=positive_int, default=None, metavar="N")
+    add("--threads", threads, type=positive_int, metavar="N")
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
     add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
-    resume = "continue from --checkpoint; start fresh where it does not exist yet (default: off)"
-    add("--resume", resume, action="store_true")
+    add("--resume", "continue from --checkpoint where it exists (default: off)", action="store_true")
     add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
     return p
 
@@ -370,10 +348,9 @@ def positive_float(text):
 
 
 def default_threads():
-    """Intra-op threads and what capped them: OMP_NUM_THREADS where set, else every core this run may use."""
-    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
-        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0]), ""
-    return usable_cores()
+    """Intra-op threads and what capped them: OMP_NUM_THREADS (of 4,2 the outer 4), else usable cores."""
+    omp = getenv("OMP_NUM_THREADS")
+    return (positive_int(omp.split(",")[0]), "") if omp else usable_cores()
 
 
 def getenv(name, default=None):
@@ -555,9 +532,9 @@ def exit_at_once(status=0):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # every failure's one line, and every signal's exit status
+    except SystemExit as e:  # a failure's one line, a signal's exit status
         exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where, then out at once all the same
+    except Exception:  # a bug: its traceback, then out at once all the same
         traceback.print_exc()
         exit_at_once(1)
     exit_at_once()
