@@ -1275,8 +1275,7 @@ def check_group(world_size, device, args):
     print0(line)
 
 
-# --compress powersgd: the approximation's rank, and the plain steps before it starts (DDP reorders its
-# buckets after the first step; torch's hook needs at least 2). Chosen in bench/README.md.
+# --compress powersgd: its rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
 POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
 
 
@@ -1371,18 +1370,17 @@ def unpack(path):
 
 def read_checkpoint(args):
     """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
-    if not os.path.exists(args.checkpoint):
+    path = args.checkpoint
+    if not os.path.exists(path):
         return None
     try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
-            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
-        ) from e
+        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+        raise ValueError(f"{path} is not a checkpoint of these scripts")
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
     return state
 
 

@@ -253,18 +253,17 @@ def resume(model, optimizer, args):
 
 def read_checkpoint(args):
     """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
-    if not os.path.exists(args.checkpoint):
+    path = args.checkpoint
+    if not os.path.exists(path):
         return None
     try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
-            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
-        ) from e
+        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+        raise ValueError(f"{path} is not a checkpoint of these scripts")
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
     return state
 
 
