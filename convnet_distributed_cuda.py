@@ -34,7 +34,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -1243,83 +1242,55 @@ def all_set(store, keys, deadline):
 
 
 def check_group(world_size, device, args):
-    """--check: one all-reduce over the whole group, as every training step makes, then stop."""
+    """--check: one all-reduce over the group, as each training step makes; across machines, time a step's
+    computing against a gradient average, and name --compress powersgd where the network slows steps."""
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
         sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
-    print0(
-        f"Check passed: {plural(world_size, 'process')} on {plural(args.num_machines, 'machine')} "
-        "reached each other"
-    )
-    if world_size > placement(args, 0)[2]:  # across machines: what the network will cost each step
-        print0(network_cost(device, args))
+    machines = plural(args.num_machines, "machine")
+    print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
+    if world_size == placement(args, 0)[2]:  # one machine: no network to time
+        return
+    model = ConvNet().to(device, memory_format=torch.channels_last)
+    gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
+    for _ in range(4):  # a warm-up (connections, allocations), then 3 timed; .item() waits for a GPU
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = model(images).sum()
+        loss.backward()
+        loss.item()
+        computed = time.perf_counter()
+        dist.all_reduce(gradients)
+        gradients[0].item()
+        seconds.append([computed - start, time.perf_counter() - computed])
+    slowest = torch.tensor(seconds[1:], device=device).median(dim=0).values  # each rank's median
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    compute, network = (round(1000 * s) for s in slowest.tolist())
+    size = f"{4 * gradients.numel() / 1e6:.1f} MB"
+    line = f"Network: averaging the gradients ({size}) takes ~{network} ms, a step's computing ~{compute} ms"
+    if network > compute / 2 and args.compress != "powersgd":
+        line += ": the network slows each step: consider --compress powersgd"
+    print0(line)
 
 
-# --compress powersgd: the approximation's rank, and the plain steps before it starts (DDP reorders its
-# buckets after the first step; torch's hook needs at least 2). Chosen in bench/README.md.
+# --compress powersgd: its rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
 POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
 
 
 def compression_words(compress):
-    return {
-        "none": "",
-        "bf16": ", sent as bfloat16",
-        "powersgd": (
-            f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-        ),
-    }[compress]
+    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
+    return {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[compress]
 
 
 def compress_gradients(ddp_model, compress):
-    """--compress: register torch's compressing hook. PowerSGD's state stays out of the checkpoint: a resume
-    that starts it afresh trains as well (bench/README.md)."""
+    """--compress: torch's hook. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
     if compress == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if compress == "powersgd":
-        # One bucket (bucket_cap_mb where DDP is made): the hook issues later all-reduces from earlier ones'
-        # callbacks, so two buckets could reach the ranks in different orders, and collectives match by order.
-        state = powerSGD_hook.PowerSGDState(
-            None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS
-        )
+    if compress == "powersgd":  # in one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
+        state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
         ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-
-def network_cost(device, args):
-    """--check across machines: time a gradient average and a step; suggest PowerSGD where it dominates."""
-    model = ConvNet().to(device, memory_format=torch.channels_last)
-    gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
-    images = torch.randn(args.batch_size, 1, 28, 28, device=device)
-    labels = torch.zeros(args.batch_size, dtype=torch.long, device=device)
-
-    def timed(work, times=4):  # the median, after one warm-up (connections, allocations)
-        seconds = []
-        for _ in range(times):
-            start = time.perf_counter()
-            work()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds[1:])
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = F.nll_loss(model(images), labels)
-        loss.backward()
-
-    network = timed(lambda: dist.all_reduce(gradients))
-    slowest = torch.tensor([timed(step), network], device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    compute, network = (round(1000 * t) for t in slowest.tolist())
-    line = (
-        f"Network: averaging the gradients ({4 * gradients.numel() / 1e6:.1f} MB) takes ~{network} ms, "
-        f"a step of {args.batch_size} images ~{compute} ms of computing"
-    )
-    if network > compute / 2 and args.compress != "powersgd":
-        return (
-            f"{line}: the network adds ~{network} ms to each ~{compute} ms step: consider --compress powersgd"
-        )
-    return line
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------
@@ -1332,72 +1303,42 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Load --checkpoint into model and optimizer; returns the epoch to start from. Rank 0 reads the file (it
-    may exist on machine 0 only) and sends it to every rank; an error stops every rank."""
-    state, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            state = read_checkpoint(args)
-        except ValueError as e:
-            error = str(e)
-    sent = [(state, error)]
+    may be on machine 0 alone) and sends it, or why not, to every rank: an error stops them all."""
+    try:
+        sent = [read_checkpoint(args) if dist.get_rank() == 0 else None, None]
+    except ValueError as e:
+        sent = [None, str(e)]
     dist.broadcast_object_list(sent, src=0)
-    state, error = sent[0]
-    if state is not None and error is None:
-        try:
+    state, error = sent
+    try:
+        if state:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
-    if error is not None:
+    except (RuntimeError, ValueError, KeyError) as e:
+        error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
+    if error:
         sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
-    if state is None:
+    if not state:
         print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
-    print0(
-        f"Resuming from {args.checkpoint}: epoch {state['epoch']} done, starting epoch {state['epoch'] + 1}"
-    )
-    # load_state_dict restored the checkpoint's learning rate: --lr wins, as every flag of a resumed run does.
-    saved_lr = optimizer.param_groups[0]["lr"]
-    for group in optimizer.param_groups:
-        group["lr"] = args.lr
-    if saved_lr != args.lr:
-        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {saved_lr:g})")
-    return state["epoch"] + 1
+    epoch, group = state["epoch"] + 1, optimizer.param_groups[0]
+    print0(f"Resuming from {args.checkpoint}: epoch {epoch - 1} done, starting epoch {epoch}")
+    if group["lr"] != args.lr:  # load_state_dict restored the saved rate: --lr wins, as every flag does
+        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
+    group["lr"] = args.lr
+    return epoch
 
 
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download them."""
-    folder = raw_folder(args)
-    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
-    for name in names:
-        path = os.path.join(folder, name)
+    """Make the four files readable: unpack .gz files placed by hand, else download them into a folder of
+    this run's own, then rename each into place: a shared --data-dir never holds a half-written file."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    names = [os.path.splitext(name)[0] for name, _ in cls.resources]
+    for path in [os.path.join(folder, name) for name in names]:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
             unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
-    download(args, names)
-
-
-def unpack(path):
-    """Unpack path.gz via a unique temporary file (--data-dir may be shared), renamed to path once whole."""
-    part = None
-    try:
-        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
-        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
-            shutil.copyfileobj(src, dst)
-        os.chmod(part, plain_file_mode(path))
-        os.replace(part, path)
-    except BaseException as e:  # Ctrl-C and SIGTERM (Terminated) too: the half-unpacked file goes
-        if part and os.path.exists(part):
-            os.unlink(part)
-        if not isinstance(e, Exception):
-            raise  # a stop, not a damaged file: the run stops as it would anywhere else
-        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
-
-
-def download(args, names):
-    """Download to a private folder, then rename into place: a shared --data-dir never holds partial files."""
-    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
@@ -1406,7 +1347,7 @@ def download(args, names):
         for name in names:  # a rename within one file system is atomic, NFS included
             os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
     except Exception as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         sys.exit(
             f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
             f"put the four files {', '.join(names)} there (gzipped or not) and run again"
@@ -1416,96 +1357,83 @@ def download(args, names):
         shutil.rmtree(private, ignore_errors=True)
 
 
+def unpack(path):
+    """Unpack path.gz, placed by hand, whole or not at all; a stop (Ctrl-C, SIGTERM) goes on up."""
+    try:
+        with gzip.open(path + ".gz", "rb") as src:
+            error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+    except Exception as e:
+        error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+    if error:
+        sys.exit(error)
+
+
 def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
+    """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
+    path = args.checkpoint
+    if not os.path.exists(path):
         return None
     try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
-            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
-        ) from e
+        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+        raise ValueError(f"{path} is not a checkpoint of these scripts")
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
     return state
 
 
 def save_on_rank0(path, write):
     """Rank 0 writes path whole or not at all; where it cannot, every rank stops, rank 0 saying why."""
-    rank = dist.get_rank()
-    error = [write_atomically(path, write) if rank == 0 else None]
+    error = [write_atomically(path, write) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(error, src=0)
     if error[0]:
-        sys.exit(error[0] if rank == 0 else 1)
+        sys.exit(error[0] if dist.get_rank() == 0 else 1)
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, with the mode open() would give; returns None, or the line saying why
-    not (a full disk, a quota), the old file left whole."""
-    buffer, temporary = io.BytesIO(), None
-    write(buffer)  # into memory first, so that a full disk raises its own error
+    """Write path whole or not at all, flushed to disk, in its own mode or open()'s (not mkstemp's 0600);
+    returns None, or the one line saying why not (a full disk), the file there before left whole."""
+    buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
+    write(buffer)  # into memory first: a full disk then fails below, where it is caught
+    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # a name of its own, in a shared folder
     try:
-        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
+        with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temporary, plain_file_mode(path))  # not mkstemp's 0600: others may read checkpoints
+        if os.path.exists(path):
+            shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        temporary = None
-        sync_folder(os.path.dirname(os.path.abspath(path)))  # so that the rename survives a power cut
+        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except OSError as e:
-        cause = e.strerror or str(e)
-        return (
-            f"error: cannot write {path} ({cause}); what was there before is unchanged: "
-            "free space, or write elsewhere"
-        )
+        kept = "what was there before is unchanged"
+        return f"error: cannot write {path} ({e.strerror or e}); {kept}: free space, or write elsewhere"
     finally:
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        with contextlib.suppress(FileNotFoundError):  # gone where renamed
+            os.unlink(temporary)
     return None
-
-
-def plain_file_mode(path):
-    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0o022)  # the umask is read by setting it
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def sync_folder(folder):
-    """Flush a folder's entries to disk, where a rename is recorded; not on Windows, which opens no folder."""
-    if os.name != "posix":
-        return
-    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def file_version(path):
     """What tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
-    try:
+    with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
         found = os.stat(path)
-    except (OSError, TypeError):
-        return None
-    return found.st_ino, found.st_mtime_ns, found.st_size
+        return found.st_ino, found.st_mtime_ns, found.st_size
+    return None
 
 
 def checkpoint_note(path, before):
-    """What an interrupted run's line says of --checkpoint, comparing it with its version at launch."""
+    """What an interrupted run's line says of --checkpoint, against its version at launch."""
+    now = file_version(path)
     if path is None:
         return ""
-    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

@@ -60,39 +60,15 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download them."""
-    folder = raw_folder(args)
-    names = [os.path.splitext(name)[0] for name, _ in DATASETS[args.dataset][0].resources]
-    for name in names:
-        path = os.path.join(folder, name)
+    """Make the four files readable: unpack .gz files placed by hand, else download them into a folder of
+    this run's own, then rename each into place: a shared --data-dir never holds a half-written file."""
+    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
+    names = [os.path.splitext(name)[0] for name, _ in cls.resources]
+    for path in [os.path.join(folder, name) for name in names]:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
             unpack(path)
     if all(os.path.isfile(os.path.join(folder, name)) for name in names):
         return
-    download(args, names)
-
-
-def unpack(path):
-    """Unpack path.gz through a unique temporary name (runs may share --data-dir), renamed in place whole."""
-    part = None
-    try:
-        fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}-")
-        with os.fdopen(fd, "wb") as dst, gzip.open(path + ".gz", "rb") as src:
-            shutil.copyfileobj(src, dst)
-        os.chmod(part, plain_file_mode(path))
-        os.replace(part, path)
-    except BaseException as e:  # a stop too: the half-unpacked file goes
-        if part and os.path.exists(part):
-            os.unlink(part)
-        if not isinstance(e, Exception):
-            raise
-        sys.exit(f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it")
-
-
-def download(args, names):
-    """Download into a folder of this run's own, then rename each file into place: runs that share --data-dir
-    (NFS) never see a half-written file under its real name."""
-    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
@@ -101,7 +77,7 @@ def download(args, names):
         for name in names:  # a rename within one file system is atomic, NFS included
             os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
     except Exception as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         sys.exit(
             f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
             f"put the four files {', '.join(names)} there (gzipped or not) and run again"
@@ -109,6 +85,17 @@ def download(args, names):
     finally:
         socket.setdefaulttimeout(None)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def unpack(path):
+    """Unpack path.gz, placed by hand, whole or not at all; a stop (Ctrl-C, SIGTERM) goes on up."""
+    try:
+        with gzip.open(path + ".gz", "rb") as src:
+            error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+    except Exception as e:
+        error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+    if error:
+        sys.exit(error)
 
 
 def raw_folder(args):
@@ -249,19 +236,18 @@ def resume(model, optimizer, args):
 
 
 def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is an error."""
-    if not os.path.exists(args.checkpoint):
+    """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
+    path = args.checkpoint
+    if not os.path.exists(path):
         return None
     try:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
-            f"cannot read {args.checkpoint} ({type(e).__name__}): truncated or not a checkpoint"
-        ) from e
+        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{args.checkpoint} is not a checkpoint of these scripts")
+        raise ValueError(f"{path} is not a checkpoint of these scripts")
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{args.checkpoint} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
     return state
 
 
@@ -442,69 +428,47 @@ def raise_on_signals(ctrl_c):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, with the mode open() would give; returns None, or the one line saying
-    why not. Into memory, a temporary file flushed and renamed over path, then the folder flushed."""
-    buffer, temporary = io.BytesIO(), None
-    write(buffer)  # into memory first: a full disk then raises its own error, on the write below
+    """Write path whole or not at all, flushed to disk, in its own mode or open()'s (not mkstemp's 0600);
+    returns None, or the one line saying why not (a full disk), the file there before left whole."""
+    buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
+    write(buffer)  # into memory first: a full disk then fails below, where it is caught
+    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # a name of its own, in a shared folder
     try:
-        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
+        with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temporary, plain_file_mode(path))  # not mkstemp's 0600, which hides files from teammates
+        if os.path.exists(path):
+            shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        temporary = None
-        sync_folder(os.path.dirname(os.path.abspath(path)))
+        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except OSError as e:
-        cause = e.strerror or str(e)
-        return (
-            f"error: cannot write {path} ({cause}); what was there before is unchanged: "
-            "free space, or write elsewhere"
-        )
+        kept = "what was there before is unchanged"
+        return f"error: cannot write {path} ({e.strerror or e}); {kept}: free space, or write elsewhere"
     finally:
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        with contextlib.suppress(FileNotFoundError):  # gone where renamed
+            os.unlink(temporary)
     return None
 
 
-def plain_file_mode(path):
-    """The mode of the file at path, else the one open() gives a new file: 0666 less the umask."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0o022)  # the umask is read by setting it
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def sync_folder(folder):
-    """Flush a folder's list of names to disk, so that a rename survives a power cut."""
-    if os.name != "posix":
-        return  # Windows opens no folder as a file
-    with contextlib.suppress(OSError):  # some file systems cannot sync a folder; the file itself is on disk
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new file in place), or None."""
-    try:
+    """What tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
+    with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
         found = os.stat(path)
-    except (OSError, TypeError):
-        return None
-    return found.st_ino, found.st_mtime_ns, found.st_size
+        return found.st_ino, found.st_mtime_ns, found.st_size
+    return None
 
 
 def checkpoint_note(path, before):
-    """What the stop line says of --checkpoint: what is there now, against its version at launch."""
+    """What an interrupted run's line says of --checkpoint, against its version at launch."""
+    now = file_version(path)
     if path is None:
         return ""
-    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

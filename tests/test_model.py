@@ -26,7 +26,6 @@ SAME_IN_ALL = [
     "raw_folder",
     "unpack",
     "prepare_data",
-    "download",
     "load_data",
     "to_input",
     "read_checkpoint",
@@ -44,8 +43,6 @@ SAME_IN_ALL = [
     "Terminated",
     "raise_on_signals",
     "write_atomically",
-    "plain_file_mode",
-    "sync_folder",
     "file_version",
     "checkpoint_note",
 ]
