@@ -609,25 +609,20 @@ def gloo_failures(store, rank, args):
 def averages_in_shared_memory(args, world_size):
     """Whether the gradients may be averaged in shared memory: every process on this machine, Linux on x86-64
     (the hook relies on x86-64's store order, and on /dev/shm), and no --allreduce gloo."""
-    linux_x86 = (
-        sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
-    )
-    return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux_x86
+    linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
+    return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux
 
 
 def shared_memory_averager(model, rank, world_size, args):
     """A SharedMemoryAverager where every process is on this machine and /dev/shm has the room, else None."""
-    if not (
-        averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
-    ):
-        return None
     try:
-        return SharedMemoryAverager(model, rank, world_size, args.timeout)
-    except OSError as e:  # every rank: /dev/shm had the room when checked, and another job took it since
+        if averages_in_shared_memory(args, world_size):
+            return SharedMemoryAverager(model, rank, world_size, args.timeout)
+    except OSError as e:  # /dev/shm lacks the room: rank 0 says so
         if e.errno != errno.ENOSPC:
             raise
         print0(e.strerror)
-        return None
+    return None
 
 
 class SharedMemoryAverager:
@@ -636,64 +631,41 @@ class SharedMemoryAverager:
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates the file with its room reserved, every rank maps it, then the first rank out removes
-        # the name: nothing is left behind. If another job took the room since fits(), every rank gets ENOSPC.
-        path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
+        # Rank 0 makes the file with its room reserved (a page of a sparse file past /dev/shm's room kills its
+        # process: SIGBUS); every rank maps it, then the name goes: nothing is left behind.
+        path = os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}")
+        made = [path, gradient_shortfall(model, world_size) if rank == 0 else None]  # the path, a shortfall
+        if rank == 0 and not made[1]:
+            with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, 4 * size)
+                except OSError as e:  # another job took the room since: every rank gets ENOSPC
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    made[1] = gradient_shortfall(model, world_size, failed=True)
+        dist.broadcast_object_list(made, src=0)
         try:
-            reserved = [rank != 0 or SharedMemoryAverager.reserve(path[0], 4 * size)]
-            dist.broadcast_object_list(reserved, src=0)  # created: the others may map it
-            if not reserved[0]:
-                raise OSError(errno.ENOSPC, gradient_shortfall(model, world_size, failed=True))
-            region = torch.from_file(path[0], shared=True, size=size)
+            if made[1]:
+                raise OSError(errno.ENOSPC, made[1])
+            region = torch.from_file(made[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path[0])
+                os.unlink(made[0])
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
 
     @staticmethod
-    def reserve(path, size):
-        """Create path with size bytes reserved: in torch.from_file's sparse file, a page beyond /dev/shm's
-        room kills its process (SIGBUS). Returns whether /dev/shm had the room."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            return False
-        finally:
-            os.close(fd)
-        return True
-
-    @staticmethod
     def floats(numel, world_size):
         return 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
 
-    @staticmethod
-    def fits(model, rank, world_size):
-        """Whether /dev/shm has room for the averager, by rank 0's answer; rank 0 says where it has not (once
-        per machine: the averager runs only where every process is on one)."""
-        answer = [None]
-        if rank == 0:
-            shortfall = gradient_shortfall(model, world_size)
-            if shortfall:
-                print(shortfall, flush=True)
-            answer[0] = shortfall is None
-        dist.broadcast_object_list(answer, src=0)
-        return answer[0]
-
     def average(self, bucket):
         grads = bucket.buffer()
-        # Two areas, used in turn: a rank writes an area again only after every rank has arrived at
-        # the call in between, so every rank is done reading it.
+        # Two areas in turn: one is rewritten only once every rank arrived at the call between: read by all.
         area = self.areas[self.calls % 2, :, : grads.numel()]
-        # Divide, then sum, as DDP's own all-reduce does. Every rank sums in the same order (rank 0's copy
-        # first), so every rank gets the same bits and the model copies stay equal.
+        # Divide, then sum, as DDP does; all ranks sum in one order (rank 0's first): same bits, equal copies.
         torch.div(grads, self.world_size, out=area[self.rank])
         self.calls += 1
         # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
@@ -707,8 +679,7 @@ class SharedMemoryAverager:
         return done
 
     def wait_for_all(self):
-        # Spin, yielding the core to any process that has work: a process that sleeps (as Gloo's wait
-        # does) can take milliseconds to wake on a virtual machine, longer than the averaging itself.
+        # Spin, yielding the core: a sleeping process (Gloo's wait) can take milliseconds to wake on a VM.
         deadline = time.monotonic() + self.timeout
         while self.arrived.min() < self.calls:
             if time.monotonic() > deadline:
@@ -719,11 +690,9 @@ class SharedMemoryAverager:
 
 def averaging_words(allreduce, args):
     """How the gradients are averaged, for the layout line."""
-    if allreduce == "shared-memory":
-        return "in shared memory" + (
-            " (--compress acts across machines only)" if args.compress != "none" else ""
-        )
-    return "over Gloo" + compression_words(args.compress)
+    if allreduce != "shared-memory":
+        return "over Gloo" + compression_words(args.compress)
+    return "in shared memory" + (" (--compress acts across machines only)" if args.compress != "none" else "")
 
 
 def gradient_shortfall(model, world_size, failed=False):
@@ -735,13 +704,13 @@ def gradient_shortfall(model, world_size, failed=False):
     except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows): no such cap
         return None
     free = stats.f_bavail * stats.f_frsize
-    if size + (1 << 20) <= free and not failed:  # 1 MiB to spare: page rounding, others' small files
-        return None
-    return (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for the gradient average ({size / 2**20:.0f} "
-        "MiB): gradients are averaged over Gloo; for more, run the container with --shm-size=1g (Docker), "
-        "or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
-    )
+    if failed or size + (1 << 20) > free:  # 1 MiB to spare: page rounding, others' small files
+        return (
+            f"/dev/shm has {free / 2**20:.0f} MiB free, too little for the gradient average "
+            f"({size / 2**20:.0f} MiB): gradients are averaged over Gloo; for more, run the container with "
+            "--shm-size=1g (Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
+        )
+    return None
 
 
 # ============================================================================================================
