@@ -634,7 +634,7 @@ class SharedMemoryAverager:
         size = SharedMemoryAverager.floats(numel, world_size)
         # Rank 0 makes the file with its room reserved (a page of a sparse file past /dev/shm's room kills its
         # process: SIGBUS); every rank maps it, then the name goes: nothing is left behind.
-        path = os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}")
+        path = f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}"
         made = [path, gradient_shortfall(model, world_size) if rank == 0 else None]  # the path, a shortfall
         if rank == 0 and not made[1]:
             with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
