@@ -469,8 +469,7 @@ def select_device(local_rank):
     --gpus-per-task=1) sees it as cuda:0; more processes than GPUs share (one_gpu_each stops them)."""
     local_rank %= torch.cuda.device_count()
     torch.cuda.set_device(local_rank)
-    # TF32 tensor cores for float32 matrix products, as cuDNN's convolutions use by default: 10 mantissa bits
-    # beat gradient noise.
+    # TF32 matrix products, as cuDNN's convolutions by default: 10 mantissa bits beat the gradients' noise.
     torch.set_float32_matmul_precision("high")
     return torch.device("cuda", local_rank)
 
