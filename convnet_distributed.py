@@ -33,7 +33,6 @@ import re
 import shutil
 import signal
 import socket
-import struct
 import sys
 import tempfile
 import threading
@@ -492,80 +491,63 @@ def choose_gloo_interface(store, rank, world_size, args):
     wins; a job on one machine keeps Gloo on loopback."""
     # Gloo listens where the host name resolves, often loopback (Debian's 127.0.1.1). A connection to the
     # rendezvous shows how the others see a machine: its near end, or for machine 0 another machine's far end.
-    per_machine = placement(args, 0)[2]
-    spans_machines = world_size > per_machine
-    addresses = interface_addresses()  # None: this system cannot list them
-    if spans_machines:
-        near, far = connection_ends(args.master_addr, args.master_port)
-        store.set(f"ends/{rank}", f"{near} {far}")
-    name = getenv("GLOO_SOCKET_IFNAME")
+    count, name, listed = placement(args, 0)[2], getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
+    spans, found = world_size > count, listed or {}  # listed is None where this system cannot list them
+    loopbacks = [n for n, held in found.items() if held and is_loopback(held[0])]
+    if spans:
+        with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
+            address, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
+        store.set(f"ends/{rank}", f"{address} {far}")
     if name:  # checked by check_gloo_socket_ifname() before the processes started
-        address = (addresses or {}).get(name.split(",")[0], ["its address"])[0]
-    elif spans_machines and addresses is not None:
-        address = near
-        if is_loopback(near):  # this machine serves the rendezvous: a process of another machine knows
+        address = found.get(name.split(",")[0], ["its address"])[0]
+    elif spans and listed is not None:
+        if is_loopback(address):  # this machine serves the rendezvous: a process of another machine knows
             other = next(r for r, m in enumerate(args.machine_of) if m != args.machine_id)
-            other_near, other_far = addresses_in(store, f"ends/{other}", 2, rank, args)
-            address = near if is_loopback(other_near) else other_far  # both on one host: loopback is right
-        # Gloo listens on its interface's first address: an alias label whose first address this is, if any.
-        holders = sorted(
-            (n for n, held in addresses.items() if address in held), key=lambda n: address != addresses[n][0]
-        )
-        if not holders:
+            raw = store.get(f"ends/{other}")
+            try:  # both on one host: loopback is right
+                near, far = raw.decode().split()
+                address = address if is_loopback(near) else str(ipaddress.ip_address(far))
+            except ValueError:  # not two addresses: the store is unauthenticated
+                abort_job(store, rank, args, bad_value(rank, f"ends/{other}", raw, args))
+        # Gloo listens on an interface's first address: an alias label whose first address this is, if any.
+        held = [n for n, on in found.items() if address in on]
+        if not held:
             abort_job(store, rank, args, (
                 f"error: rank {rank}: the other machines reach this one at {address}, which no interface "
                 "here holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"
             ))  # fmt: skip
-        name, address = holders[0], addresses[holders[0]][0]
-        os.environ["GLOO_SOCKET_IFNAME"] = name  # read by Gloo when the process group is made
-    elif not spans_machines and (name := loopback_interface(addresses)):
+        name = os.environ["GLOO_SOCKET_IFNAME"] = min(held, key=lambda n: address != found[n][0])
+        address = found[name][0]
+    elif not spans and (loopbacks or sys.platform == "darwin"):  # macOS's lo0 is not listed
         # One machine: Gloo, unauthenticated, listens where no other machine can reach it.
-        address = (addresses or {}).get(name, ["127.0.0.1"])[0]
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-    else:  # Gloo's own choice: the address this host's name resolves to, else loopback
-        address = hostname_address()
-        name = next(
-            (n for n, held in (addresses or {}).items() if address in held), "the host name's interface"
-        )
-        if spans_machines and rank == 0:  # only where this system cannot list its interfaces
-            print(
+        name = os.environ["GLOO_SOCKET_IFNAME"] = (loopbacks or ["lo0"])[0]
+        address = found.get(name, ["127.0.0.1"])[0]
+    else:  # Gloo's own choice: the first address this host's name resolves to, else loopback
+        address = "127.0.0.1"
+        with contextlib.suppress(OSError):
+            address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+        name = next((n for n, on in found.items() if address in on), "the host name's interface")
+        if spans and rank == 0:  # only where this system cannot list its interfaces
+            print0(
                 f"This system ({sys.platform}) cannot tell which network interface reaches the other "
-                "machines: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails to connect",
-                flush=True,
+                "machines: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails to connect"
             )
     if local_rank_of(rank, args) == 0:  # one report per machine, for rank 0 to print
-        report = [socket.gethostname(), per_machine, name, address]
-        store.set(f"machine/{args.machine_id}", json.dumps(report))
-    if rank == 0 and (spans_machines or args.check):
-        for machine in range(args.num_machines):
-            raw = store.get(f"machine/{machine}")
-            hostname, count, name, address = report = from_json(raw) or [None] * 4
-            if not (isinstance(report, list) and len(report) == 4 and type(count) is int):
-                abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-            print(
-                f"Machine {machine} ({hostname}): {plural(count, 'process')}, Gloo on {name} {address}",
-                flush=True,
-            )
-
-
-def addresses_in(store, key, count, rank, args):
-    """count IP addresses, read from the store and checked: the store is unauthenticated."""
-    raw = store.get(key)
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
-        found = raw.decode().split()
-        if len(found) == count and all(ipaddress.ip_address(a) for a in found):
-            return found
-    abort_job(store, rank, args, bad_value(rank, key, raw, args))
+        store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
+    for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
+        report = from_json(raw := store.get(f"machine/{machine}"))
+        if not (isinstance(report, list) and len(report) == 4 and type(report[1]) is int):
+            abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
+        host, count, name, address = report
+        print0(f"Machine {machine} ({host}): {plural(count, 'process')}, Gloo on {name} {address}")
 
 
 def check_gloo_socket_ifname():
     """Stop at once, in one line, where GLOO_SOCKET_IFNAME names no interface of this machine with an address:
     Gloo would raise a C++ exception in every process."""
     name = getenv("GLOO_SOCKET_IFNAME")
-    addresses = interface_addresses() if name else None
-    if addresses is None:  # unset, or this system cannot list its interfaces: Gloo will say
-        return
-    for one in name.split(","):
+    addresses = interface_addresses() if name else None  # unset, or not listed here: Gloo will say
+    for one in name.split(",") if addresses is not None else ():
         if not addresses.get(one):
             have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(addresses.items()))
             sys.exit(
@@ -574,102 +556,47 @@ def check_gloo_socket_ifname():
             )
 
 
-def loopback_interface(addresses):
-    """The loopback interface's name: found among the interfaces on Linux, lo0 on macOS, else None."""
-    if addresses is not None:
-        return next((n for n, held in addresses.items() if held and is_loopback(held[0])), None)
-    return "lo0" if sys.platform == "darwin" else None
-
-
-def connection_ends(host_name, port):
-    """(near, far): the addresses of this machine and of host_name on a TCP connection between them."""
-    with socket.create_connection((host_name, port), timeout=5) as s:
-        return s.getsockname()[0].split("%")[0], s.getpeername()[0].split("%")[0]
-
-
-def hostname_address():
-    """The address Gloo listens on by default: the first this host's name resolves to, else loopback."""
-    try:
-        return socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError:
-        return "127.0.0.1"
-
-
 def interface_addresses():
-    """{interface or alias label: all its addresses} in Gloo's order (getifaddrs(3)): IPv4 in the kernel's
-    order, primary first, then IPv6, wider scope first. None where netlink (Linux) cannot list them."""
-    if not hasattr(socket, "AF_NETLINK"):
-        return None
-    try:  # both read netlink (glibc's if_nameindex too): where a sandbox blocks it, either call fails
-        names = dict(socket.if_nameindex())
-        rows = list(netlink_addresses())
-    except OSError:
-        return None
-    found, ipv6 = {name: [] for name in names.values()}, []
-    for family, scope, index, attributes in rows:
-        raw = attributes.get(2, attributes.get(1))  # IFA_LOCAL, else IFA_ADDRESS (the peer's, point-to-point)
-        label = attributes.get(3, b"").split(b"\0")[0].decode() or names.get(index)  # IFA_LABEL
-        if family == socket.AF_INET and raw and label:
-            found.setdefault(label, []).append(socket.inet_ntop(family, raw))
-        elif family == socket.AF_INET6 and raw and index in names:
-            ipv6.append((scope, names[index], socket.inet_ntop(family, raw)))
-    for _, name, address in sorted(ipv6, key=lambda row: row[0]):  # universe (0), then link (253), host (254)
-        found[name].append(address)
-    return found
-
-
-def netlink_addresses():
-    """Every address of every interface, from one RTM_GETADDR dump of the routing netlink socket, as `ip addr`
-    reads them: (family, scope, interface index, {attribute type: bytes}) each."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW) as s:  # protocol 0: NETLINK_ROUTE
-        # struct nlmsghdr: RTM_GETADDR (22), NLM_F_REQUEST | NLM_F_DUMP; then struct ifaddrmsg: every family
-        s.sendall(struct.pack("=IHHII", 24, 22, 0x301, 1, 0) + bytes(8))
-        while True:
-            data, at = s.recv(1 << 16), 0
-            while at + 16 <= len(data):
-                length, kind = struct.unpack_from("=IH", data, at)
-                if kind == 2 and struct.unpack_from("=i", data, at + 16)[0]:  # NLMSG_ERROR
-                    raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "netlink refused RTM_GETADDR")
-                if kind in (2, 3):  # NLMSG_DONE: the dump is complete
-                    return
-                if kind == 20:  # RTM_NEWADDR: struct ifaddrmsg, then attributes (struct rtattr)
-                    family, _, _, scope, index = struct.unpack_from("=BBBBI", data, at + 16)
-                    attributes, a = {}, at + 24
-                    while a + 4 <= at + length:
-                        size, key = struct.unpack_from("=HH", data, a)
-                        attributes[key] = data[a + 4 : a + size]
-                        a += max(4, (size + 3) & ~3)
-                    yield family, scope, index, attributes
-                at += max(16, (length + 3) & ~3)
+    """{interface or alias label: its addresses}, in the order glibc's getifaddrs(3) gives Gloo: IPv4 first.
+    None where this system cannot list them (no glibc; netlink blocked in a sandbox)."""
+    head, found = ctypes.c_void_p(), {}
+    with contextlib.suppress(OSError):  # no glibc: macOS, Windows
+        libc = ctypes.CDLL("libc.so.6")
+        if libc.getifaddrs(ctypes.byref(head)) == 0:  # -1 where netlink is missing or blocked
+            at = head.value
+            while at:  # struct ifaddrs: next, name, flags (a pointer's room), address (struct sockaddr *)
+                at, name, _, sockaddr = (ctypes.c_void_p * 4).from_address(at)
+                held = found.setdefault(ctypes.string_at(name).decode(), [])
+                family = sockaddr and ctypes.c_ushort.from_address(sockaddr).value
+                if family == socket.AF_INET:  # struct sockaddr_in: family, port, address
+                    held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + 4, 4)))
+                elif family == socket.AF_INET6:  # struct sockaddr_in6: family, port, flow label, address
+                    held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + 8, 16)))
+            libc.freeifaddrs(head)
+            return found
+    return None
 
 
 @contextlib.contextmanager
 def gloo_failures(store, rank, args):
-    """A process group Gloo cannot connect is one line on every machine: Gloo's log of each failed connection
-    is held back, and the processes still waiting stop too."""
-    try:
-        with stderr_held_back() as stderr, exit_on_abort(rank, args, stderr):
-            yield
-    except RuntimeError as e:
-        abort_job(store, rank, args, (
-            f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines "
-            "reach each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the interface that does"
-        ))  # fmt: skip
-
-
-@contextlib.contextmanager
-def stderr_held_back():
-    """Hold back what C++ code writes to file descriptor 2: written out if the block succeeds, dropped if it
-    raises (no setting silences Gloo's log of failed connections). Yields the real stderr's descriptor."""
+    """A group Gloo cannot connect is one line on every machine, and the processes still waiting stop too.
+    Gloo's C++ log of each failed connection (no setting silences it) is held back, written out on success."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    real = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
-            yield saved
+            with exit_on_abort(rank, args, real):
+                yield
+        except RuntimeError as e:  # its line goes out once fd 2 is back
+            abort_job(store, rank, args, (
+                f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the "
+                "machines reach each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the "
+                "interface that does"
+            ))  # fmt: skip
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+            os.dup2(real, 2)
+            os.close(real)
         held.seek(0)
         sys.stderr.buffer.write(held.read())
         sys.stderr.flush()
@@ -681,25 +608,20 @@ def stderr_held_back():
 def averages_in_shared_memory(args, world_size):
     """Whether the gradients may be averaged in shared memory: every process on this machine, Linux on x86-64
     (the hook relies on x86-64's store order, and on /dev/shm), and no --allreduce gloo."""
-    linux_x86 = (
-        sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
-    )
-    return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux_x86
+    linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
+    return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux
 
 
 def shared_memory_averager(model, rank, world_size, args):
     """A SharedMemoryAverager where every process is on this machine and /dev/shm has the room, else None."""
-    if not (
-        averages_in_shared_memory(args, world_size) and SharedMemoryAverager.fits(model, rank, world_size)
-    ):
-        return None
     try:
-        return SharedMemoryAverager(model, rank, world_size, args.timeout)
-    except OSError as e:  # every rank: /dev/shm had the room when checked, and another job took it since
+        if averages_in_shared_memory(args, world_size):
+            return SharedMemoryAverager(model, rank, world_size, args.timeout)
+    except OSError as e:  # /dev/shm lacks the room: rank 0 says so
         if e.errno != errno.ENOSPC:
             raise
         print0(e.strerror)
-        return None
+    return None
 
 
 class SharedMemoryAverager:
@@ -708,64 +630,41 @@ class SharedMemoryAverager:
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
-        # Rank 0 creates the file with its room reserved, every rank maps it, then the first rank out removes
-        # the name: nothing is left behind. If another job took the room since fits(), every rank gets ENOSPC.
-        path = [os.path.join("/dev/shm", f"convnet-ddp-{uuid.uuid4().hex}") if rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)
         size = SharedMemoryAverager.floats(numel, world_size)
+        # Rank 0 makes the file with its room reserved (a page of a sparse file past /dev/shm's room kills its
+        # process: SIGBUS); every rank maps it, then the name goes: nothing is left behind.
+        path = f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}"
+        made = [path, gradient_shortfall(model, world_size) if rank == 0 else None]  # the path, a shortfall
+        if rank == 0 and not made[1]:
+            with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, 4 * size)
+                except OSError as e:  # another job took the room since: every rank gets ENOSPC
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    made[1] = gradient_shortfall(model, world_size, failed=True)
+        dist.broadcast_object_list(made, src=0)
         try:
-            reserved = [rank != 0 or SharedMemoryAverager.reserve(path[0], 4 * size)]
-            dist.broadcast_object_list(reserved, src=0)  # created: the others may map it
-            if not reserved[0]:
-                raise OSError(errno.ENOSPC, gradient_shortfall(model, world_size, failed=True))
-            region = torch.from_file(path[0], shared=True, size=size)
+            if made[1]:
+                raise OSError(errno.ENOSPC, made[1])
+            region = torch.from_file(made[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path[0])
+                os.unlink(made[0])
         self.arrived = region[: 2 * world_size].view(torch.int64).numpy()  # calls each rank has written
         self.areas = region[2 * world_size :].view(2, world_size, numel)
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
 
     @staticmethod
-    def reserve(path, size):
-        """Create path with size bytes reserved: in torch.from_file's sparse file, a page beyond /dev/shm's
-        room kills its process (SIGBUS). Returns whether /dev/shm had the room."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            return False
-        finally:
-            os.close(fd)
-        return True
-
-    @staticmethod
     def floats(numel, world_size):
         return 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
 
-    @staticmethod
-    def fits(model, rank, world_size):
-        """Whether /dev/shm has room for the averager, by rank 0's answer; rank 0 says where it has not (once
-        per machine: the averager runs only where every process is on one)."""
-        answer = [None]
-        if rank == 0:
-            shortfall = gradient_shortfall(model, world_size)
-            if shortfall:
-                print(shortfall, flush=True)
-            answer[0] = shortfall is None
-        dist.broadcast_object_list(answer, src=0)
-        return answer[0]
-
     def average(self, bucket):
         grads = bucket.buffer()
-        # Two areas, used in turn: a rank writes an area again only after every rank has arrived at
-        # the call in between, so every rank is done reading it.
+        # Two areas in turn: one is rewritten only once every rank arrived at the call between: read by all.
         area = self.areas[self.calls % 2, :, : grads.numel()]
-        # Divide, then sum, as DDP's own all-reduce does. Every rank sums in the same order (rank 0's copy
-        # first), so every rank gets the same bits and the model copies stay equal.
+        # Divide, then sum, as DDP does; all ranks sum in one order (rank 0's first): same bits, equal copies.
         torch.div(grads, self.world_size, out=area[self.rank])
         self.calls += 1
         # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
@@ -779,8 +678,7 @@ class SharedMemoryAverager:
         return done
 
     def wait_for_all(self):
-        # Spin, yielding the core to any process that has work: a process that sleeps (as Gloo's wait
-        # does) can take milliseconds to wake on a virtual machine, longer than the averaging itself.
+        # Spin, yielding the core: a sleeping process (Gloo's wait) can take milliseconds to wake on a VM.
         deadline = time.monotonic() + self.timeout
         while self.arrived.min() < self.calls:
             if time.monotonic() > deadline:
@@ -791,11 +689,9 @@ class SharedMemoryAverager:
 
 def averaging_words(allreduce, args):
     """How the gradients are averaged, for the layout line."""
-    if allreduce == "shared-memory":
-        return "in shared memory" + (
-            " (--compress acts across machines only)" if args.compress != "none" else ""
-        )
-    return "over Gloo" + compression_words(args.compress)
+    if allreduce != "shared-memory":
+        return "over Gloo" + compression_words(args.compress)
+    return "in shared memory" + (" (--compress acts across machines only)" if args.compress != "none" else "")
 
 
 def gradient_shortfall(model, world_size, failed=False):
@@ -807,13 +703,13 @@ def gradient_shortfall(model, world_size, failed=False):
     except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows): no such cap
         return None
     free = stats.f_bavail * stats.f_frsize
-    if size + (1 << 20) <= free and not failed:  # 1 MiB to spare: page rounding, others' small files
-        return None
-    return (
-        f"/dev/shm has {free / 2**20:.0f} MiB free, too little for the gradient average ({size / 2**20:.0f} "
-        "MiB): gradients are averaged over Gloo; for more, run the container with --shm-size=1g (Docker), "
-        "or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
-    )
+    if failed or size + (1 << 20) > free:  # 1 MiB to spare: page rounding, others' small files
+        return (
+            f"/dev/shm has {free / 2**20:.0f} MiB free, too little for the gradient average "
+            f"({size / 2**20:.0f} MiB): gradients are averaged over Gloo; for more, run the container with "
+            "--shm-size=1g (Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
+        )
+    return None
 
 
 # ============================================================================================================

@@ -464,49 +464,39 @@ def start_method():
 
 
 def select_device(local_rank):
-    """This process's GPU, made current before the group is made: NCCL binds each rank to it. A process given
-    one GPU of its own (srun --gpus-per-task=1) sees it as cuda:0."""
-    local_rank %= torch.cuda.device_count()  # more processes than GPUs: two share one (one_gpu_each says so)
+    """This process's GPU, made current for NCCL to bind the rank to. A process given one GPU of its own (srun
+    --gpus-per-task=1) sees it as cuda:0; more processes than GPUs share (one_gpu_each stops them)."""
+    local_rank %= torch.cuda.device_count()
     torch.cuda.set_device(local_rank)
-    # TF32 tensor cores for float32 matrix products and convolutions: 10 mantissa bits beat gradient noise.
-    if hasattr(torch.backends.cudnn, "conv"):
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # TF32 matrix products, as cuDNN's convolutions by default: 10 mantissa bits beat the gradients' noise.
+    torch.set_float32_matmul_precision("high")
     return torch.device("cuda", local_rank)
 
 
 def one_gpu_each(store, rank, world_size, args):
-    """Stop every process with one line where two ranks share a GPU, before NCCL fails there obscurely
+    """Stop every process in one line where two ranks share a GPU, before NCCL fails there obscurely
     ("Duplicate GPU detected"). Each rank says which GPU it took; rank 0 compares them."""
     index = torch.cuda.current_device()
     # The UUID tells GPUs apart where each process sees its own as cuda:0; without one, there is no check.
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
-    store.set(
-        f"gpu/{rank}", json.dumps({"rank": rank, "host": socket.gethostname(), "gpu": gpu, "index": index})
-    )
+    store.set(f"gpu/{rank}", json.dumps([socket.gethostname(), gpu, index]))
     if rank == 0:
-        keys, seen, line = [f"gpu/{r}" for r in range(world_size)], {}, ""
-        store.wait(keys)  # at once: every rank has joined (the roll call, or torchrun's rendezvous)
-        for key in keys:
-            raw = store.get(key)
-            other = from_json(raw)
-            fields = {"rank": int, "host": str, "gpu": (str, type(None)), "index": int}
-            if not (isinstance(other, dict) and all(isinstance(other.get(k), t) for k, t in fields.items())):
-                abort_job(store, rank, args, bad_value(rank, key, raw, args))
-            first = seen.setdefault((other["host"], other["gpu"]), other)
-            if other["gpu"] is not None and first is not other:
+        seen, line = {}, ""
+        for r in range(world_size):  # every rank has joined (the roll call, or torchrun's): its key is there
+            taken = from_json(raw := store.get(f"gpu/{r}"))
+            kinds = [type(v) for v in taken] if isinstance(taken, list) else None
+            if kinds not in ([str, str, int], [str, type(None), int]):  # host, UUID, index
+                abort_job(store, rank, args, bad_value(rank, f"gpu/{r}", raw, args))
+            first, index = seen.setdefault((taken[0], taken[1] or r), (r, taken[2]))  # no UUID: no check
+            if first != r:
                 line = (
-                    f"error: ranks {first['rank']} and {other['rank']} share one GPU "
-                    f"(cuda:{first['index']} on {first['host']}): NCCL needs one GPU per process: "
-                    "start at most one process per GPU, and "
-                    "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+                    f"error: ranks {first} and {r} share one GPU (cuda:{index} on {taken[0]}): NCCL needs "
+                    "one GPU per process: start at most one process per GPU, and give each its own (a "
+                    "launcher's local rank, or CUDA_VISIBLE_DEVICES)"
                 )
                 break
         store.set("gpus", line)
-    line = store.get("gpus").decode(errors="replace")[:2000]
-    if line:
+    if line := store.get("gpus").decode(errors="replace")[:2000]:
         abort_job(None, rank, args, line)
 
 
@@ -517,14 +507,10 @@ def nccl_failures(store, rank, args):
         with exit_on_abort(rank, args):
             yield
     except RuntimeError as e:
-        abort_job(
-            store,
-            rank,
-            args,
-            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): "
-            "let the machines reach each other on every TCP port, "
-            "or set NCCL_SOCKET_IFNAME on each to the interface that does",
-        )
+        abort_job(store, rank, args, (
+            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines "
+            "reach each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"
+        ))  # fmt: skip
 
 
 def averaging_words(allreduce, args):
@@ -533,8 +519,8 @@ def averaging_words(allreduce, args):
 
 
 def keep_nccl_on_loopback(world_size, args):
-    """On one machine, NCCL's unauthenticated bootstrap listens on loopback, not the first interface it
-    finds: the GPUs talk over NVLink, PCIe or shared memory. NCCL_SOCKET_IFNAME set by the user wins."""
+    """On one machine, NCCL's unauthenticated bootstrap listens on loopback, not the first interface it finds:
+    the GPUs talk over NVLink, PCIe or shared memory. NCCL_SOCKET_IFNAME set by the user wins."""
     if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
 
@@ -542,16 +528,14 @@ def keep_nccl_on_loopback(world_size, args):
 def match_gradient_strides(model):
     """Hand DDP each gradient in its parameter's strides: cuDNN gives conv1's weight gradient another stride
     on its size-1 dimension; DDP would warn ("Grad strides do not match bucket view strides") and copy it."""
+
+    def restated(grad, p):  # in p's strides where each element keeps its offset: only size-1 dims' differ
+        same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
+        return grad.as_strided(p.shape, p.stride()) if same else grad
+
     for p in model.parameters():
         if 1 in p.shape:
-            p.register_hook(
-                lambda grad, p=p: grad.as_strided(p.shape, p.stride()) if same_memory(grad, p) else grad
-            )
-
-
-def same_memory(a, b):
-    """Same sizes, and same strides on every dimension longer than 1: each element at one offset in both."""
-    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+            p.register_hook(lambda grad, p=p: restated(grad, p))
 
 
 # ============================================================================================================

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch.distributed as dist
@@ -214,13 +215,10 @@ def test_two_machines_downloading_into_one_shared_folder(tmp_path):
 
 
 def test_a_system_that_cannot_list_its_interfaces_leaves_gloo_its_own_choice(clean_env, monkeypatch):
-    """socket.if_nameindex() fails where netlink is missing or blocked (a sandbox), and it was called
-    outside the fallback: its OSError stopped every process before the process group was made."""
-
-    def no_netlink():
-        raise OSError(97, "Address family not supported by protocol")
-
-    monkeypatch.setattr(convnet_distributed.socket, "if_nameindex", no_netlink)
+    """getifaddrs(3) fails where netlink is missing or blocked (a sandbox): an OSError of the interface
+    listing once stopped every process before the process group was made."""
+    no_netlink = types.SimpleNamespace(getifaddrs=lambda head: -1)  # as glibc's, with errno EAFNOSUPPORT
+    monkeypatch.setattr(convnet_distributed.ctypes, "CDLL", lambda name: no_netlink)
     assert convnet_distributed.interface_addresses() is None
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # cannot be checked here: Gloo will say
     convnet_distributed.check_gloo_socket_ifname()

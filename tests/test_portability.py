@@ -4,9 +4,10 @@ real code then trains. macOS and Windows themselves are not run here.
 
 What each lacks, of what the scripts call (the Python docs' "Availability", and the systems themselves):
 - Windows: the modules fcntl and resource; os.sched_getaffinity, os.statvfs, os.sched_yield, os.killpg,
-  signal.pthread_sigmask, socket.AF_NETLINK; /dev/shm; fork (sys.platform says win32, so the scripts spawn
-  their workers). Its os.getppid never changes when the parent dies (no orphan gets a new parent).
-- macOS: os.sched_getaffinity, /dev/shm, glibc (libc.so.6), socket.AF_NETLINK (Linux's interface listing);
+  signal.pthread_sigmask, glibc (libc.so.6: getifaddrs, so the network interfaces cannot be listed); /dev/shm;
+  fork (sys.platform says win32, so the scripts spawn their workers). Its os.getppid never changes when the
+  parent dies (no orphan gets a new parent).
+- macOS: os.sched_getaffinity, /dev/shm, glibc (libc.so.6, whose getifaddrs lists Linux's interfaces);
   sys.platform says darwin, so the scripts spawn their workers and cannot name the network interface.
 Left in place, as the scripts never call them: os.fork (they spawn where sys.platform is not Linux) and
 signal.SIGKILL (multiprocessing's POSIX Popen needs it; a test below checks the scripts do not)."""
@@ -33,17 +34,31 @@ os.statvfs = statvfs
 os.path.isdir = lambda path: False if str(path).startswith("/dev/shm") else _isdir(path)
 """
 
+NO_GLIBC = """
+import ctypes
+
+_CDLL = ctypes.CDLL
+
+
+def CDLL(name, *args, **kwargs):
+    if name == "libc.so.6":
+        raise OSError(f"dlopen({name}, 0x0006): image not found")
+    return _CDLL(name, *args, **kwargs)
+
+
+ctypes.CDLL = CDLL
+"""
+
 SIMULATIONS = {
     "windows": """
 import os, signal, sys
 import torch.multiprocessing  # imported under Linux's sys.platform, as the rest of torch is
 """
     + NO_DEV_SHM
+    + NO_GLIBC
     + """
 for name in ("sched_getaffinity", "statvfs", "sched_yield", "killpg"):
     delattr(os, name)
-import socket
-del socket.AF_NETLINK  # Linux's: the network interfaces cannot be listed
 launcher = "-c" not in sys.orig_argv  # not a spawned worker, nor multiprocessing's resource tracker
 if launcher:
     # multiprocessing's POSIX machinery, which Windows does without, masks signals in and around its tracker:
@@ -59,24 +74,13 @@ if launcher:  # a spawned worker starts as on POSIX
     sys.platform = "win32"
 """,
     "macos": """
-import ctypes, os, sys
+import os, sys
 import torch.multiprocessing  # imported under Linux's sys.platform, as the rest of torch is
 """
     + NO_DEV_SHM
+    + NO_GLIBC
     + """
 del os.sched_getaffinity
-import socket
-del socket.AF_NETLINK  # Linux's: the network interfaces cannot be listed
-_CDLL = ctypes.CDLL
-
-
-def CDLL(name, *args, **kwargs):
-    if name == "libc.so.6":
-        raise OSError(f"dlopen({name}, 0x0006): image not found")
-    return _CDLL(name, *args, **kwargs)
-
-
-ctypes.CDLL = CDLL
 sys.platform = "darwin"
 """,
 }

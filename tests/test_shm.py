@@ -116,7 +116,10 @@ import convnet_distributed as c
 
 # /dev/shm (1 MiB here) had the room when it was checked, and another job, started at the same time, \
 took it since.
-c.SharedMemoryAverager.fits = staticmethod(lambda model, rank, world_size: True)
+shortfall = c.gradient_shortfall
+c.gradient_shortfall = lambda model, world_size, failed=False: (
+    shortfall(model, world_size, failed) if failed else None
+)
 c.averages_in_shared_memory = lambda args, world_size: True
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 ddp_model, allreduce = c.data_parallel(c.ConvNet(), 0, 1, c.parse_args(["--master-port", "{port}"]))
