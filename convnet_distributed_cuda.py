@@ -514,9 +514,8 @@ LAUNCHERS = {
 
 
 def fill_layout(parser, args):
-    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's, else one
-    machine's (processes_flag). A flag the launcher contradicts fails. srun with one task per node aside, this
-    process is then one of the launcher's ranks."""
+    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's
+    (LAUNCHERS), else one machine's (processes_flag). A flag the launcher contradicts fails."""
     name = next((n for n, (v, _, _) in LAUNCHERS.items() if all(getenv(x) for x in v[:3] if x)), None)
     variables, launch, fix = LAUNCHERS.get(name, ((None,) * 6, (), ""))
 
@@ -541,12 +540,9 @@ def fill_layout(parser, args):
     # they are defaults, as is srun's step's: its first node, and a port of its own (steps share nodes).
     said = {"master_addr": addr, "master_port": port} if variables[0] == "RANK" else {}
     if name == "SLURM":
-        step = getenv("SLURM_STEP_ID", "0")
-        addr = (
-            addr
-            or expand_hosts(getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost"))[0]
-        )
-        port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + (int(step) if step.isdigit() else 0)) % 17000
+        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
+        addr = addr or expand_hosts(nodes)[0]
+        port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
     if mpi and machines > 1 and not (args.master_addr or addr):
         parser.error(
             f"{who} runs this job on {machines} machines: give machine 0's address as --master-addr or "
@@ -582,9 +578,8 @@ def fill_layout(parser, args):
         "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own
         else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
-    ids = [getenv(v) for v in launch]  # shared by the processes of one launch and no other
-    ids = ids if name else [socket.gethostname(), str(os.getpid()), str(LAUNCH_TIME)]
-    args.launch_id = "/".join(ids) if ids and None not in ids else None
+    ids = [getenv(v) for v in launch] if name else [socket.gethostname(), str(os.getpid()), str(LAUNCH_TIME)]
+    args.launch_id = "/".join(ids) if ids and None not in ids else None  # one launch's processes share it
 
 
 def expand_hosts(text):
@@ -1732,9 +1727,7 @@ def complete_args(parser, args):
     fill_layout(parser, args)
     rank, _, processes = placement(args, 0)
     if not 0 <= args.machine_id < args.num_machines:
-        parser.error(
-            f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}"
-        )
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     if rank == 0:  # rank 0's command alone names the job's files (roll_call): only its machine checks them
         if args.resume and not args.checkpoint:
             parser.error("--resume needs --checkpoint PATH")
@@ -1801,18 +1794,18 @@ def usable_cores():
 
 def cgroup_cpus():
     """Cores a CPU quota gives (docker --cpus, a Kubernetes limit), rounded up: the tightest up the tree."""
-    hierarchies, quotas = [], []
+    quotas = []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
-        hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
-    for _, controllers, path in hierarchies:
-        v1 = "cpu" in controllers.split(",")
-        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then those above
-            folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-            files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"] * 2
-            with contextlib.suppress(OSError, ValueError), open(f"{folder}/{files[0]}") as quota:
-                with open(f"{folder}/{files[1]}") as period:
-                    quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))
-    return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
+        for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
+            v1 = "cpu" in controllers.split(",")
+            for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
+                folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
+                files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+                with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
+                    text = "".join(open(f"{folder}/{name}").read() for name in files)
+                    quota, period = map(int, text.split())
+                    quotas.append(-(-quota // period))
+    return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
 
 def getenv(name, default=None):
