@@ -589,7 +589,8 @@ def expand_hosts(text):
         brackets = re.search(r"\[([^\]]*)\]", item)
         if brackets is None:
             hosts.append(item)
-        for part in brackets.group(1).split(",") if brackets else ():
+            continue
+        for part in brackets.group(1).split(","):
             low, _, high = part.partition("-")
             for n in range(int(low), int(high or low) + 1):  # zero-padded to the lower bound's width: 01
                 hosts += expand_hosts(f"{item[: brackets.start()]}{n:0{len(low)}d}{item[brackets.end() :]}")
