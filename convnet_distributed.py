@@ -352,129 +352,54 @@ def select_device(local_rank):
 
 
 def build_parser():
-    # Flags of two words take the article's spelling too: --num_machines as well as --num-machines.
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = p.add_argument
+
+    def add(flag, help, **options):  # a flag of two words takes the article's spelling too: --batch_size
+        p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
+
     # fmt: off
-    add("--epochs", type=positive_int, default=1, metavar="N", help="epochs to train (default: 1)")
-    add("--batch-size", "--batch_size", type=positive_int, default=128, metavar="N",
-        help="images per batch in each process; the global batch is this x world size (default: 128)")
-    add("--lr", type=positive_float, default=0.5, metavar="LR", help="Adadelta learning rate (default: 0.5)")
-    add("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
-    add("--dataset", choices=sorted(DATASETS), default="mnist", help="data set (default: mnist)")
-    add("--data-dir", "--data_dir", default="./data", metavar="DIR",
-        help="data folder, torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)")
-    add("--log-interval", "--log_interval", type=positive_int, default=10, metavar="N",
-        help="batches between progress lines (default: 10)")
-    add("--threads", type=positive_int, default=None, metavar="N",
-        help="intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores divided "
-             "by the processes on this machine, at least 1)")
-    add("--amp", action="store_true", help="bfloat16 autocast (default: off)")
-    add("--checkpoint", metavar="PATH",
-        help="save model and optimizer here after every epoch (default: none)")
-    add("--resume", action="store_true",
-        help="continue from --checkpoint; start fresh where it does not exist yet (default: off)")
-    add("--metrics-json", "--metrics_json", metavar="PATH",
-        help="write the run's figures here as JSON (default: none)")
-    add("--num-machines", "--num_machines", type=positive_int, default=None, metavar="N",
-        help="machines in the job (default: 1)")
-    add("--num-processes", "--num_processes", type=positive_int, default=None, metavar="N",
-        help="processes on this machine (default: 1)")
-    add("--machine-id", "--machine_id", type=int, default=None, metavar="ID",
-        help="this machine's index, 0 to --num-machines - 1; machine 0 hosts rank 0 (default: 0)")
-    add("--master-addr", "--master_addr", type=host, default=None, metavar="HOST",
-        help="address of machine 0, which every process contacts "
-             "(default: MASTER_ADDR if set, else 127.0.0.1)")
-    add("--master-port", "--master_port", type=port_number, default=None, metavar="PORT",
-        help="free TCP port on machine 0 (default: MASTER_PORT if set, else a free port for a job on one "
-             "machine, 8892 across machines)")
-    add("--allreduce", choices=["auto", "gloo"], default="auto",
-        help="how the gradients are averaged: auto, in shared memory when every process is on this machine "
-             "(Linux on x86-64) and over Gloo otherwise; gloo, over Gloo always (default: auto)")
-    add("--compress", choices=["none", "bf16", "powersgd"], default="none",
-        help="compress the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-             "approximation, about 1/15 of them, for slow links (100 Mbit/s); not in shared memory "
-             "(default: none)")
-    add("--timeout", type=positive_float, default=300, metavar="SECONDS",
-        help="how long a process waits for its peers before giving up (default: 300)")
-    add("--check", action="store_true",
-        help="make the process group as a real run would, average once, print each machine's host, Gloo "
-             "interface and processes, and exit without training: a check before a long job (default: off)")
+    add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1)
+    add("--batch-size", "images per batch in each process: the global batch is this x world size "
+        "(default: 128)", type=positive_int, default=128)
+    add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
+    add("--seed", "random seed (default: 0)", type=int, default=0)
+    add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
+    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", default="./data")
+    add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
+    add("--threads", "intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
+        "shared out between this machine's processes)", type=positive_int)
+    add("--amp", "bfloat16 autocast (default: off)", action="store_true")
+    add("--checkpoint", "save model and optimizer here after every epoch (default: none)")
+    add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
+    add("--metrics-json", "write the run's figures here as JSON (default: none)")
+    add("--num-machines", "machines in the job (default: 1)", type=positive_int)
+    add("--num-processes", "processes on this machine (default: 1)", type=positive_int)
+    add("--machine-id", "this machine's index, 0 to --num-machines - 1 (default: 0)", type=int)
+    add("--master-addr", "machine 0's address (default: MASTER_ADDR if set, else 127.0.0.1)", type=host)
+    add("--master-port", "machine 0's free TCP port (default: MASTER_PORT if set, else a free port for a job "
+        "on one machine, 8892 across machines)", type=port_number)
+    add("--allreduce", "auto: average the gradients in shared memory where every process is on this machine "
+        "(Linux on x86-64), else over Gloo; gloo: always over Gloo (default: auto)", choices=["auto", "gloo"],
+        default="auto")
+    add("--compress", "the gradients sent over the network, not in shared memory: bf16 halves the bytes, "
+        "powersgd sends a low-rank approximation, 1/15 of them, for slow links (default: none)",
+        choices=["none", "bf16", "powersgd"], default="none")
+    add("--timeout", "seconds a process waits for its peers (default: 300)", type=positive_float, default=300)
+    add("--check", "make the group, average once, print each machine's host, Gloo interface and processes, "
+        "and exit: a check before a long job (default: off)", action="store_true")
     # fmt: on
     return p
 
 
+def processes_flag():
+    """The flag for the processes on this machine, and what it is where nothing says (fill_layout)."""
+    return "num_processes", 1
+
+
 def placement(args, local_rank):
     """(rank, world size, processes on this machine): the one place they are worked out."""
-    if args.rank is not None:  # a launcher said where this process stands (launcher_layout)
-        return args.rank, args.world_size, args.num_processes
-    return (
-        args.machine_id * args.num_processes + local_rank,
-        args.num_machines * args.num_processes,
-        args.num_processes,
-    )
-
-
-def fill_layout(parser, args):
-    """The layout (machines, processes, machine id, machine 0's address and port): the flags, else the
-    launcher's (launcher_layout), else one process on one machine. A flag the launcher contradicts fails."""
-    try:
-        launcher, said = launcher_layout()
-    except ValueError as e:
-        parser.error(str(e))
-    env = {"master_addr": host(getenv("MASTER_ADDR", "")) or None, "master_port": getenv("MASTER_PORT")}
-    # Where the launcher set MASTER_ADDR and MASTER_PORT (torchrun), its store is there: a flag must agree.
-    # Elsewhere they are defaults, as is what the launcher's own variables suggest (srun's first node).
-    decided = dict(env) if said.get("sets_master") else {}
-    master = {name: value or said.get(name) or None for name, value in env.items()}
-    args.launcher, args.rank, args.local_rank, args.launch_note = launcher, None, 0, said.get("note")
-    args.by_host = said.get("by_host", False)  # MPI: which ranks share a machine, the roll call finds by host
-    # Shared by the processes of this launch and no other: this launching process, here and now.
-    args.launch_id = (
-        said.get("launch_id") if launcher else f"{socket.gethostname()}/{os.getpid()}/{LAUNCH_TIME}"
-    )
-    if launcher is not None:
-        decided.update(num_machines=said["machines"], machine_id=said["machine"])
-        if not said["own_launcher"]:  # the launcher started this process as one rank
-            decided["num_processes"] = said["local_size"]
-            args.rank, args.local_rank, args.world_size = said["rank"], said["local_rank"], said["world_size"]
-    if (
-        said.get("master_addr") == ""
-        and said["machines"] > 1
-        and not (args.master_addr or master["master_addr"])
-    ):
-        parser.error(
-            f"{said['who']} runs this job on {said['machines']} machines: give machine 0's address as "
-            "--master-addr or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
-        )
-    defaults = {
-        "num_processes": 1,
-        "num_machines": 1,
-        "machine_id": 0,
-        "master_addr": master["master_addr"] or "127.0.0.1",
-        # A job on one machine that this script starts takes a free port (claim_port); others must be told.
-        "master_port": master["master_port"]
-        or ("0" if launcher is None and (args.num_machines or 1) == 1 else "8892"),
-    }
-    for name, default in defaults.items():
-        given, set_by_launcher = getattr(args, name), decided.get(name)
-        if given is not None and set_by_launcher is not None and str(given) != str(set_by_launcher):
-            parser.error(
-                f"--{name.replace('_', '-')} {given} disagrees with {said['who']}, "
-                f"which set {set_by_launcher}: drop the flag, or {said['fix']}"
-            )
-        setattr(args, name, next(v for v in (given, set_by_launcher, default) if v is not None))
-    try:
-        args.master_port = (
-            0
-            if str(args.master_port) == "0" and not getenv("MASTER_PORT")
-            else port_number(str(args.master_port))
-        )
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(
-            f"MASTER_PORT={getenv('MASTER_PORT')!r} in the environment is not a port number (1-65535): "
-            "fix it, or pass --master-port"
-        )
+    rank = args.machine_id * args.num_processes + local_rank if args.rank is None else args.rank
+    return rank, args.world_size, args.num_processes
 
 
 def start_method():
@@ -721,99 +646,95 @@ def gradient_shortfall(model, world_size, failed=False):
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 
 
-# Launchers that start the processes themselves: marked_by recognises each (the first match wins: torchrun and
-# mpirun pass SLURM's variables on); the rest give the layout. Unnamed: local rank 0 of 1, machine = rank //
-# local size, or by host (MPI). master_addr, master_port: machine 0's where no flag or MASTER_ADDR/MASTER_PORT
-# gives it ("": must be given). sets_master: the launcher sets those itself. launch: one launch's shared id.
+# Launchers that start the processes themselves, the first whose rank, world size and local rank variables
+# are set winning (torchrun and mpirun pass SLURM's on): the variables of rank, world size, local rank, local
+# size, machine and machines (None: local rank 0 of 1, machine rank // local size, found by host under MPI),
+# those naming one launch, and the fix for a flag they contradict. Only srun's tasks have SLURM_STEP_*.
 LAUNCHERS = {
-    "torchrun": {
-        "marked_by": ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "rank": "RANK", "world_size": "WORLD_SIZE",
-        "local_rank": "LOCAL_RANK", "local_size": "LOCAL_WORLD_SIZE", "machine": "GROUP_RANK",
-        "launch": ("TORCHELASTIC_RUN_ID",), "sets_master": True, "fix": "give torchrun the same",
-    },
-    "Open MPI": {
-        "marked_by": ("OMPI_COMM_WORLD_RANK",), "rank": "OMPI_COMM_WORLD_RANK",
-        "world_size": "OMPI_COMM_WORLD_SIZE", "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
-        "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE", "launch": ("PMIX_NAMESPACE",), "master_addr": "",
-        "fix": "give mpirun the same",  # Open MPI 4 and 5
-    },
-    "MPICH": {  # and Intel MPI: both launch with Hydra
-        "marked_by": ("PMI_RANK", "MPI_LOCALRANKID"), "rank": "PMI_RANK", "world_size": "PMI_SIZE",
-        "local_rank": "MPI_LOCALRANKID", "local_size": "MPI_LOCALNRANKS", "master_addr": "",
-        "fix": "give mpiexec the same",
-    },
-    "MVAPICH": {
-        "marked_by": ("MV2_COMM_WORLD_RANK",), "rank": "MV2_COMM_WORLD_RANK",
-        "world_size": "MV2_COMM_WORLD_SIZE", "local_rank": "MV2_COMM_WORLD_LOCAL_RANK",
-        "local_size": "MV2_COMM_WORLD_LOCAL_SIZE", "master_addr": "", "fix": "give mpirun the same",
-    },
-    # srun sets the SLURM_STEP_ variables in each task; a shell in an allocation (salloc, sbatch) lacks them.
-    "SLURM": {
-        "marked_by": ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"), "rank": "SLURM_PROCID",
-        "world_size": "SLURM_STEP_NUM_TASKS", "local_rank": "SLURM_LOCALID",
-        "local_size": "SLURM_STEP_TASKS_PER_NODE", "machine": "SLURM_NODEID",
-        "machines": "SLURM_STEP_NUM_NODES", "launch": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
-        "master_addr": "SLURM_STEP_NODELIST", "master_port": "SLURM_JOB_ID", "fix": "give srun the same",
-    },
+    "torchrun": (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", None),
+                 ("TORCHELASTIC_RUN_ID",), "give torchrun the same"),
+    "Open MPI": (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE", None, None), ("PMIX_NAMESPACE",), "give mpirun the same"),
+    "MPICH": (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None), (),
+              "give mpiexec the same"),  # and Intel MPI: both launch with Hydra
+    "MVAPICH": (("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+                 "MV2_COMM_WORLD_LOCAL_SIZE", None, None), (), "give mpirun the same"),
+    "SLURM": (("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE",
+               "SLURM_NODEID", "SLURM_STEP_NUM_NODES"), ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+              "give srun the same"),
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
-    "RANK and WORLD_SIZE": {
-        "marked_by": ("RANK", "WORLD_SIZE"), "rank": "RANK", "world_size": "WORLD_SIZE", "machine": "RANK",
-        "machines": "WORLD_SIZE", "sets_master": True, "fix": "unset RANK and WORLD_SIZE",
-    },
+    "RANK and WORLD_SIZE": (("RANK", "WORLD_SIZE", None, None, "RANK", "WORLD_SIZE"), (),
+                            "unset RANK and WORLD_SIZE"),
 }  # fmt: skip
 
 
-def launcher_layout():
-    """(name, facts) of the LAUNCHERS entry that started this process, or (None, {}). Under srun with one task
-    per node (own_launcher) this script starts --num-processes; under any other launcher it is one rank."""
-    name = next(
-        (n for n, says in LAUNCHERS.items() if all(getenv(v) is not None for v in says["marked_by"])), None
-    )
-    if name is None:
-        return None, {}
-    says = LAUNCHERS[name]
+def fill_layout(parser, args):
+    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's
+    (LAUNCHERS), else one machine's (processes_flag). A flag the launcher contradicts fails."""
+    name = next((n for n, (v, _, _) in LAUNCHERS.items() if all(getenv(x) for x in v[:3] if x)), None)
+    variables, launch, fix = LAUNCHERS.get(name, ((None,) * 6, (), ""))
 
-    def number(key, default, index=0):
-        text = getenv(says[key]) if key in says else None
+    def number(variable, default, index=0):
+        text = getenv(variable) if variable else None
         try:
             return default if text is None else int(text) if text.isdigit() else expand_counts(text)[index]
         except (ValueError, IndexError):
-            raise ValueError(f"{name} set {says[key]}={text!r}, which is not a whole number") from None
+            parser.error(f"{name} set {variable}={text!r}, which is not a whole number")
 
-    rank, world_size, machine = number("rank", 0), number("world_size", 1), number("machine", None)
-    local_size = number("local_size", 1, index=machine or 0)
+    rank, world_size, local_rank = (number(v, d) for v, d in zip(variables, (0, 1, 0)))
+    machine = number(variables[4], None)
+    local_size = number(variables[3], 1, index=machine or 0)
     machine = rank // local_size if machine is None else machine
-    machines = number("machines", -(-world_size // local_size))
-    own_launcher = name == "SLURM" and world_size == machines
-    master = {"master_addr": says.get("master_addr"), "master_port": None}
-    # Machine 0 is the step's first node, and the port is the step's own: jobs and a job's steps share nodes.
+    machines = number(variables[5], -(-world_size // local_size))
+    own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
+    mpi = name is not None and variables[4] is None  # no machine index: the roll call tells machines by host
+    who = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
+    who = who if name == "RANK and WORLD_SIZE" else name
+    addr, port = host(getenv("MASTER_ADDR", "")) or None, getenv("MASTER_PORT")
+    # Under env:// (RANK, WORLD_SIZE) the store is at MASTER_ADDR:MASTER_PORT: a flag must agree. Elsewhere
+    # they are defaults, as is srun's step's: its first node, and a port of its own (steps share nodes).
+    said = {"master_addr": addr, "master_port": port} if variables[0] == "RANK" else {}
     if name == "SLURM":
-        nodes = getenv(says["master_addr"]) or getenv("SLURM_JOB_NODELIST", "localhost")
-        step = int(getenv("SLURM_STEP_ID", "0")) if getenv("SLURM_STEP_ID", "0").isdigit() else 0
-        master = {
-            "master_addr": expand_hosts(nodes)[0],
-            "master_port": 15000 + (number("master_port", 0) * 97 + step) % 17000,
-        }
-    restart = int(getenv("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    notes = {
-        "torchrun": f"torchrun, restart {restart}" if restart else "torchrun",
-        "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own_launcher
+        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
+        addr = addr or expand_hosts(nodes)[0]
+        port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
+    if mpi and machines > 1 and not (args.master_addr or addr):
+        parser.error(
+            f"{who} runs this job on {machines} machines: give machine 0's address as --master-addr or "
+            "MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
+        )
+    processes, default_processes = processes_flag()
+    if name is not None:
+        said.update({"num_machines": machines, "machine_id": machine, processes: None if own else local_size})
+    # A job on one machine that this script starts takes a free port (claim_port); others must be told.
+    port = port or (0 if name is None and (args.num_machines or 1) == 1 else 8892)
+    defaults = {processes: default_processes, "num_machines": 1, "machine_id": 0}
+    for key, default in {**defaults, "master_addr": addr or "127.0.0.1", "master_port": port}.items():
+        given = getattr(args, key)
+        if None not in (given, said.get(key)) and str(given) != str(said[key]):
+            parser.error(
+                f"--{key.replace('_', '-')} {given} disagrees with {who}, which set {said[key]}: "
+                f"drop the flag, or {fix}"
+            )
+        setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
+    try:  # MASTER_PORT, unchecked so far
+        args.master_port = port_number(str(args.master_port)) if args.master_port else 0
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(
+            f"MASTER_PORT={args.master_port!r} in the environment is not a port number (1-65535): fix it, or "
+            "pass --master-port"
+        )
+    launched = name is not None and not own  # this process is one rank of the launcher's
+    args.rank, args.local_rank = (rank, local_rank) if launched else (None, 0)
+    args.world_size = world_size if launched else args.num_machines * getattr(args, processes)
+    restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
+    args.launcher, args.by_host, args.launch_note = name, mpi, {
+        "torchrun": "torchrun" + (f", restart {restart}" if restart != "0" else ""),
+        "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own
         else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
-        "RANK and WORLD_SIZE": f"RANK and WORLD_SIZE: rank {rank} of {world_size}, one process per launch",
-    }  # fmt: skip
-    launch = [getenv(v) for v in says.get("launch", ())]
-    one_process = (
-        f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
-    )
-    who = one_process if name == "RANK and WORLD_SIZE" else name
-    return name, {
-        "rank": rank, "world_size": world_size, "local_rank": number("local_rank", 0),
-        "local_size": local_size, "machine": machine, "machines": machines, "own_launcher": own_launcher,
-        **master, "who": who, "sets_master": says.get("sets_master", False), "by_host": "machine" not in says,
-
-        "fix": says["fix"], "note": notes.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}"),
-        "launch_id": "/".join(launch) if launch and None not in launch else None,
-    }  # fmt: skip
+    }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
+    ids = [getenv(v) for v in launch] if name else [socket.gethostname(), str(os.getpid()), str(LAUNCH_TIME)]
+    args.launch_id = "/".join(ids) if ids and None not in ids else None  # one launch's processes share it
 
 
 def expand_hosts(text):
@@ -834,8 +755,7 @@ def expand_hosts(text):
 def expand_counts(text):
     """SLURM's compressed counts per node: 2(x3),1 is 2 2 2 1."""
     counts = []
-    for part in text.split(","):
-        count, _, times = part.partition("(x")
+    for count, _, times in (part.partition("(x") for part in text.split(",")):
         counts += [int(count)] * int(times.rstrip(")") or 1)
     return counts
 
@@ -1890,12 +1810,10 @@ def peak_memory_mib():
 def complete_args(parser, args):
     """Fill in what the flags leave open (fill_layout), and check what parse_args cannot check alone."""
     fill_layout(parser, args)
+    rank, _, processes = placement(args, 0)
     if not 0 <= args.machine_id < args.num_machines:
-        parser.error(
-            f"--machine-id must be in 0-{args.num_machines - 1} for --num-machines {args.num_machines}"
-        )
-    # Rank 0's command alone names the job's files (roll_call): only its machine checks them.
-    if (args.rank == 0) if args.rank is not None else args.machine_id == 0:
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
+    if rank == 0:  # rank 0's command alone names the job's files (roll_call): only its machine checks them
         if args.resume and not args.checkpoint:
             parser.error("--resume needs --checkpoint PATH")
         for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
@@ -1904,17 +1822,18 @@ def complete_args(parser, args):
                 parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    args.threads_from = ""  # what capped the default threads, said in the layout line
-    if args.threads is None:
-        try:
-            args.threads, args.threads_from = default_threads(placement(args, 0)[2])
-        except (ValueError, argparse.ArgumentTypeError):
-            parser.error(
-                f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of "
-                "threads (1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-            )
+    omp = getenv("OMP_NUM_THREADS", "").split(",")[0]  # OpenMP's list per nesting level (4,2): the outer's
+    cores, capped_by = usable_cores()
+    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
+    try:
+        args.threads = args.threads or (positive_int(omp) if omp else max(1, cores // processes))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(
+            f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads "
+            "(1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
+        )
     # Processes on each machine: the flags say so; under a launcher the roll call counts them.
-    args.machine_sizes, args.machine_of = [placement(args, 0)[2]] * args.num_machines, None
+    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None
 
 
 class Parser(argparse.ArgumentParser):
@@ -1926,37 +1845,26 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_int(text):
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def positive_float(text):
-    value = float(text)
-    if not value > 0:
+    if not (value := float(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def port_number(text):
+    if not 1 <= (value := int(text)) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
     return value
 
 
 def host(text):
     """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
     return text[1:-1] if text.startswith("[") and text.endswith("]") else text
-
-
-def port_number(text):
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
-    return value
-
-
-def default_threads(processes_per_machine):
-    """Intra-op threads per process and what capped them: OMP_NUM_THREADS, else usable cores shared out."""
-    if getenv("OMP_NUM_THREADS"):  # OpenMP's list per nesting level (4,2): the first is the outer level's
-        return positive_int(getenv("OMP_NUM_THREADS").split(",")[0]), ""
-    cores, capped_by = usable_cores()
-    return max(1, cores // processes_per_machine), capped_by
 
 
 def usable_cores():
@@ -1971,22 +1879,18 @@ def usable_cores():
 
 def cgroup_cpus():
     """Cores a CPU quota gives (docker --cpus, a Kubernetes limit), rounded up: the tightest up the tree."""
-    hierarchies, quotas = [], []
+    quotas = []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
-        hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
-    for _, controllers, path in hierarchies:
-        v1 = "cpu" in controllers.split(",")
-        for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, then those above
-            folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-            files = (
-                [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"]
-                if v1
-                else [f"{folder}/cpu.max"] * 2
-            )
-            with contextlib.suppress(OSError, ValueError), open(files[0]) as quota, open(files[1]) as period:
-                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))
-
-    return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
+        for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
+            v1 = "cpu" in controllers.split(",")
+            for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
+                folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
+                files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+                with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
+                    text = "".join(open(f"{folder}/{name}").read() for name in files)
+                    quota, period = map(int, text.split())
+                    quotas.append(-(-quota // period))
+    return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
 
 def getenv(name, default=None):

@@ -320,15 +320,13 @@ def build_parser():
 
 
 def positive_int(text):
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def positive_float(text):
-    value = float(text)
-    if not value > 0:
+    if not (value := float(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
     return value
 
@@ -356,23 +354,19 @@ def usable_cores():
 
 
 def cgroup_cpus():
-    """The cores a CPU quota gives (Docker's --cpus, a Kubernetes limit), rounded up: the tightest of this
-    cgroup's and those above it, from v2's cpu.max or v1's cpu.cfs_quota_us over cpu.cfs_period_us."""
-    hierarchies, quotas = [], []
+    """Cores a CPU quota gives (docker --cpus, a Kubernetes limit), rounded up: the tightest up the tree."""
+    quotas = []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
-        hierarchies = [line.rstrip("\n").split(":", 2) for line in f]  # id:controllers:path; v2 names none
-    for _, controllers, path in hierarchies:
-        v1 = "cpu" in controllers.split(",")
-        for up in range(path.count("/") + 1) if v1 or not controllers else ():
-            folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-            files = (
-                [f"{folder}/cpu.cfs_quota_us", f"{folder}/cpu.cfs_period_us"]
-                if v1
-                else [f"{folder}/cpu.max"] * 2
-            )
-            with contextlib.suppress(OSError, ValueError), open(files[0]) as quota, open(files[1]) as period:
-                quotas.append(-(-int(quota.read().split()[0]) // int(period.read().split()[-1])))
-    return min((q for q in quotas if q > 0), default=None)  # v1's -1 and v2's "max" are no quota
+        for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
+            v1 = "cpu" in controllers.split(",")
+            for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
+                folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
+                files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+                with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
+                    text = "".join(open(f"{folder}/{name}").read() for name in files)
+                    quota, period = map(int, text.split())
+                    quotas.append(-(-quota // period))
+    return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
 
 def keep_freed_memory():

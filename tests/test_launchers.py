@@ -1,6 +1,6 @@
 """Every way a cluster starts a job, read from one table (LAUNCHERS), and a rendezvous that knows who is who.
 
-The first tests set each launcher's variables as it sets them and check the layout that launcher_layout() and
+The first tests set each launcher's variables as it sets them and check the layout that fill_layout() and
 parse_args() make of them; the launchers themselves run in tests/test_slurm.py (srun), here (mpirun) and
 tests/test_multihost.py (elastic torchrun). The last tests start real launches on this host that cannot make
 one job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
