@@ -303,7 +303,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_gloo_socket_ifname()
     with exit_on_signal(args):  # Ctrl-C or SIGTERM stops every process of this launch, in one line
-        if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
+        if args.rank is not None:  # a launcher started this process as one rank (fill_layout)
             return worker(args.local_rank, args, None)
         torch.set_num_threads(1)  # no thread pool before the workers fork (start_method); each sets its own
         # Hold the rendezvous port for rank 0; a one-machine job given none takes a free one: jobs never meet.

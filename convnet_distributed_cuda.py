@@ -302,7 +302,7 @@ def main(argv=None):
             f"only {torch.cuda.device_count()} GPU(s) visible"
         )
     with exit_on_signal(args):  # Ctrl-C or SIGTERM stops every process of this launch, in one line
-        if args.rank is not None:  # a launcher started this process as one rank (launcher_layout)
+        if args.rank is not None:  # a launcher started this process as one rank (fill_layout)
             return worker(args.local_rank, args, None)
         # Hold the rendezvous port for rank 0; a one-machine job given none takes a free one: jobs never meet.
         listener, port = claim_port(args)
