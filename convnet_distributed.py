@@ -1128,8 +1128,7 @@ def job_record(args, **decided):
 
 
 def roll_call(store, rank, world_size, args):
-    """Each process registers its record under its rank's key; rank 0 waits for all, counts the machines and
-    says "ready". Until then a rank given twice or a disagreement stops every process."""
+    """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
     try:
@@ -1137,11 +1136,7 @@ def roll_call(store, rank, world_size, args):
         if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
             time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
             sys.exit(1)
-        facts = job["job"], me["job"]
-        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
-        if differ:  # another job's process stops alone; where this job's differ, all stop
-            ours = job["launcher"] == me["launcher"]  # a job is started one way
-            abort_job(job_store(store) if ours else None, rank, args, disagreement(differ, job, me, args))
+        check_agreement(store, rank, args, job, me)
         # Rank 0 claims the job before any other process reads it: a second rank 0 finds the first there.
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
@@ -1245,29 +1240,34 @@ def machine_identity():
 
 def flag_words(key, value=True):
     """A flag as a user says it: --lr 0.5, --amp, no --amp, world size 4; given no value, its name."""
-    name = (
-        key.replace("_", " ") if key in ("world_size", "torch", "backend") else "--" + key.replace("_", "-")
-    )
+    spoken = key in ("world_size", "torch", "backend")  # no flag: said in words
+    name = key.replace("_", " ") if spoken else "--" + key.replace("_", "-")
     return name if value is True else f"no {name}" if value is False else f"{name} {value}"
 
 
-def disagreement(differ, job, me, args):
-    """The line where a record's flags, model, torch or backend differ: another job's, or this job's."""
-    theirs, ours = (", ".join(flag_words(k, r["job"][k]) for k in differ) for r in (job, me))
+def check_agreement(store, rank, args, job, me):
+    """Stop where the job's flags, model, torch or backend differ from ours: alone if it is another job."""
+    facts = job["job"], me["job"]
+    differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+    if not differ:
+        return
+    theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
     if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-        return (f"error: {args.master_addr}:{args.master_port} is another job's rendezvous (rank 0 on "
-                f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another "
-                "--master-port for this job")  # fmt: skip
+        abort_job(None, rank, args, (
+            f"error: {args.master_addr}:{args.master_port} is another job's rendezvous (rank 0 on "
+            f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another --master-port "
+            "for this job"))  # fmt: skip
     what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_words, differ))
     if "model" in differ:  # the first parameter that differs, not all of them
-        models = job["job"]["model"], me["job"]["model"]
+        models = facts[0]["model"], facts[1]["model"]
         at = next(i for i in itertools.count() if models[0][i : i + 1] != models[1][i : i + 1])
         theirs, ours = (", ".join(map(str, m[at : at + 1])) or "fewer parameters" for m in models)
         what = "the model"
     key = next((k for k in ("model", "backend") if k in differ), what)
     fix = FIXES.get(key, f"start every machine with the same {what}")
-    return (f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
-            f"machine {me['machine']} ({me['host']}) has {ours}: {fix}")  # fmt: skip
+    abort_job(job_store(store), rank, args, (
+        f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
+        f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"))  # fmt: skip
 
 
 def count_machines(records, args):
