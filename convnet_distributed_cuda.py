@@ -898,12 +898,16 @@ def roll_call(store, rank, world_size, args):
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
     machine_of = from_json(ready)  # machines numbered 0, 1, ... in the order of their first rank
     tops = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
-    if not (isinstance(machine_of, list) and len(machine_of) == world_size
-            and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(tops, machine_of))):  # fmt: skip
+    if not (
+        isinstance(machine_of, list)
+        and len(machine_of) == world_size
+        and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(tops, machine_of))
+    ):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
     sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
-    layout = dict(machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes),
-                  machine_sizes=sizes)  # fmt: skip
+    layout = dict(
+        machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes
+    )
     # Rank 0's command alone names the job's files: each other machine warns once of its own, unused.
     unused = ", ".join(flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k))
     if unused and layout["machine_id"] != 0 and local_rank_of(rank, job_record(args, **layout)) == 0:
@@ -941,9 +945,11 @@ def read_record(store, rank, args, raw, me, owner=None):
         return found
     line = bad_value(rank, "a record", raw, args)
     if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
-        line = (f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version "
-                f"of {os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to "
-                "every machine")  # fmt: skip
+        line = (
+            f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version "
+            f"of {os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to "
+            "every machine"
+        )
     abort_job(job_store(store), rank, args, line)
 
 
@@ -951,8 +957,12 @@ def is_record(found):
     """A record's keys and types, checked before use: the store is unauthenticated."""
     types = dict(rank=int, machine=int, pid=int, host=str, box=str, launch=str | None, launcher=str | None,
                  job=dict, files=dict, script=str)  # fmt: skip
-    return (isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in types.items())
-            and type(found["rank"]) is int and isinstance(found["job"].get("model", []), list))  # fmt: skip
+    return (
+        isinstance(found, dict)
+        and all(isinstance(found.get(k), t) for k, t in types.items())
+        and type(found["rank"]) is int
+        and isinstance(found["job"].get("model", []), list)
+    )
 
 
 def from_json(raw):
