@@ -927,12 +927,14 @@ def torchrun_attempt():
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size",
              "epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model",
              "backend")  # fmt: skip
-
-
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
-
-
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
+FIXES = {  # what to do where the machines disagree on these (else: the same flags on every machine)
+    "model": "run one copy of the script on every machine",
+    "torch": "install one torch version on every machine",
+    "backend": "run one script on every machine: the CPU one, or the GPU one",
+    "the layout": "start every machine with the same --num-machines and processes per machine",
+}
 
 
 def job_record(args, **decided):
@@ -941,75 +943,53 @@ def job_record(args, **decided):
 
 
 def roll_call(store, rank, world_size, args):
-    """Each process registers its record under its rank's key; rank 0 waits for all, counts the machines, and
-    says "ready". Until then a rank given twice or a disagreement stops every process."""
+    """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
+    deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
+    mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
     try:
-        return answer_roll_call(store, rank, world_size, args, time.monotonic() + args.timeout)
+        job = me if rank == 0 else read_record(store, rank, args, store.get("job"), me)  # 0 trusts its own
+        if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
+            time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
+            sys.exit(1)
+        check_agreement(store, rank, args, job, me)
+        # Rank 0 claims the job before any other process reads it: a second rank 0 finds the first there.
+        for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
+            if (held := store.compare_set(key, "", mine)) != mine.encode():
+                first = read_record(store, rank, args, held, me)
+                abort_job(job_store(store), rank, args, claimed_twice(rank, first, me, args))
+        while not store.check(["ready"]):
+            if store.check(["abort"]):
+                abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
+            if rank == 0 and store.check(keys):
+                records = [read_record(store, 0, args, store.get(key), me, r) for r, key in enumerate(keys)]
+                store.set("ready", json.dumps(count_machines(records, args)))
+            elif rank == 0 and time.monotonic() > deadline:
+                abort_job(store, rank, args, (
+                    f"error: only {sum(store.check([k]) for k in keys)} of {world_size} processes joined "
+                    f"within --timeout {args.timeout:g} s: start every machine (--num-machines "
+                    f"{args.num_machines}, --machine-id 0 to {args.num_machines - 1}) with the same "
+                    "--master-addr and --master-port"))  # fmt: skip
+            time.sleep(0.1)
+        ready = store.get("ready")
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        abort_job(
-            None,
-            rank,
-            args,
-            f"error: rank {rank}: lost machine 0 while waiting for the others ({last_line(e)})",
-        )
-
-
-def answer_roll_call(store, rank, world_size, args, deadline):
-    me = roll_call_record(rank, world_size, args)
-    mine, where = json.dumps(me), f"{args.master_addr}:{args.master_port}"
-    if rank == 0:  # before any other process reads the job: a second rank 0 finds the first here
-        first = store.compare_set("job", "", mine)
-        if first != mine.encode():
-            abort_job(
-                job_store(store), rank, args, claimed_twice(0, read_record(store, 0, args, first), me, args)
-            )
-    job = me if rank == 0 else read_record(store, rank, args, store.get("job"))  # rank 0 trusts only its own
-    if args.machine_id == 0 and rank != 0 and args.launch_id is not None and job["launch"] != args.launch_id:
-        # Another job holds this port: this machine's rank 0 could not serve it, and says so itself.
-        time.sleep(2)
-        sys.exit(1)
-    differ = [k for k in JOB_FLAGS if k in job["job"] and k in me["job"] and job["job"][k] != me["job"][k]]
-    if differ and job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-        theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
-        abort_job(None, rank, args, (
-            f"error: {where} is another job's rendezvous (rank 0 on {job['host']}, pid {job['pid']}, has "
-            f"{theirs}; this one {ours}): choose another --master-port for this job"))  # fmt: skip
-    if differ:  # the same job, started otherwise on some machine: every machine stops
-        abort_job(job_store(store), rank, args, disagreement(differ, job, me))
-    held = store.compare_set(f"rank/{rank}", "", mine)
-    if held != mine.encode():
-        abort_job(
-            job_store(store), rank, args, claimed_twice(rank, read_record(store, rank, args, held), me, args)
-        )
-    keys = [f"rank/{r}" for r in range(world_size)]
-    while not store.check(["ready"]):
-        if store.check(["abort"]):
-            abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
-        if rank == 0 and store.check(keys):
-            machine_of = count_machines(
-                [read_record(store, 0, args, store.get(key), r) for r, key in enumerate(keys)], args
-            )
-            store.set("ready", json.dumps(machine_of))
-        elif rank == 0 and time.monotonic() > deadline:
-            joined = sum(store.check([key]) for key in keys)
-            abort_job(store, rank, args, (
-                f"error: only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s: "
-                f"start every machine (--num-machines {args.num_machines}, --machine-id 0 to "
-                f"{args.num_machines - 1}) with the same --master-addr and --master-port"))  # fmt: skip
-        time.sleep(0.1)
-    ready = store.get("ready")
+        abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
     machine_of = from_json(ready)  # machines numbered 0, 1, ... in the order of their first rank
-    firsts = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
+    tops = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
     if not (
         isinstance(machine_of, list)
         and len(machine_of) == world_size
-        and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(firsts, machine_of))
+        and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(tops, machine_of))
     ):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
-    machines = max(machine_of) + 1
-    layout = dict(machine_of=machine_of, machine_id=machine_of[rank], num_machines=machines,
-                  machine_sizes=[machine_of.count(m) for m in range(machines)])  # fmt: skip
-    unused_files(job, me, rank, job_record(args, **layout))
+    sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
+    layout = dict(
+        machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes
+    )
+    # Rank 0's command alone names the job's files: each other machine warns once of its own, unused.
+    unused = ", ".join(flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k))
+    if unused and layout["machine_id"] != 0 and local_rank_of(rank, job_record(args, **layout)) == 0:
+        print(f"warning: machine {layout['machine_id']} ({me['host']}): {unused} not used here: rank 0 reads "
+              "and writes the job's files, as machine 0's command says", file=sys.stderr)  # fmt: skip
     return layout
 
 
@@ -1019,43 +999,44 @@ def job_store(store):
 
 
 def roll_call_record(rank, world_size, args):
-    """What a process says of itself at the roll call."""
+    """What a process says of itself at the roll call; in "job", what must agree across the job."""
+    layout = JOB_FLAGS[1:4] if args.rank is not None else ()  # a launcher's may vary processes per machine
+    facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
+    with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
+        model = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
+    with open(__file__, "rb") as f:
+        script = hashlib.sha256(f.read()).hexdigest()[:12]
+    facts.update(world_size=world_size, torch=torch.__version__.split("+")[0], model=model,
+                 backend=f"{BACKEND} ({os.path.basename(__file__)})")  # fmt: skip
     return {
         "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
         "box": machine_identity(), "launch": args.launch_id, "launcher": args.launcher,
-        "job": job_facts(args, world_size), "files": {k: getattr(args, k) for k in RANK0_FLAGS},
-        "script": script_digest(),
+        "job": facts, "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script,
     }  # fmt: skip
 
 
-# A record's keys and types, checked before use: the store is unauthenticated.
-RECORD = {"rank": int, "machine": int, "host": str, "pid": int, "box": str, "launch": (str, type(None)),
-          "launcher": (str, type(None)), "job": dict, "files": dict, "script": str}  # fmt: skip
-
-
-def read_record(store, rank, args, raw, owner=None):
+def read_record(store, rank, args, raw, me, owner=None):
     """A record from the store, checked: another version's, or garbage, is one line on every machine."""
     found = from_json(raw)
     if is_record(found) and owner in (None, found["rank"]):
         return found
-    if (
-        isinstance(found, dict)
-        and isinstance(found.get("script"), str)
-        and found["script"] != script_digest()
-    ):
+    line = bad_value(rank, "a record", raw, args)
+    if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
         line = (
             f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version "
             f"of {os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to "
             "every machine"
         )
-        abort_job(job_store(store), rank, args, line)
-    abort_job(job_store(store), rank, args, bad_value(rank, "a record", raw, args))
+    abort_job(job_store(store), rank, args, line)
 
 
 def is_record(found):
+    """A record's keys and types, checked before use: the store is unauthenticated."""
+    types = dict(rank=int, machine=int, pid=int, host=str, box=str, launch=str | None, launcher=str | None,
+                 job=dict, files=dict, script=str)  # fmt: skip
     return (
         isinstance(found, dict)
-        and all(isinstance(found.get(k), t) for k, t in RECORD.items())
+        and all(isinstance(found.get(k), t) for k, t in types.items())
         and type(found["rank"]) is int
         and isinstance(found["job"].get("model", []), list)
     )
@@ -1065,7 +1046,6 @@ def from_json(raw):
     """raw parsed as JSON, or None where it is no JSON of a sensible size."""
     with contextlib.suppress(ValueError, RecursionError):
         return json.loads(raw) if len(raw) < 1 << 16 else None
-    return None
 
 
 def bad_value(rank, key, raw, args):
@@ -1078,103 +1058,53 @@ def bad_value(rank, key, raw, args):
 
 def machine_identity():
     """Tells machines apart where no launcher numbers them (MPI): host name, boot id and network namespace."""
-    parts = [socket.gethostname()]
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-        parts.append(os.readlink("/proc/self/ns/net"))
-    return " ".join(parts)
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f"{socket.gethostname()} {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
+    return socket.gethostname()
 
 
-def job_facts(args, world_size):
-    """What must agree across the job: the JOB_FLAGS, torch, the model's shapes and the backend."""
-    facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k)}
-    if args.rank is not None:  # a launcher decided the layout (and may vary processes per machine)
-        for k in ("num_machines", "num_processes", "num_gpu_processes"):
-            facts.pop(k, None)
-    with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
-        shapes = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
-    return {
-        **facts,
-        "world_size": world_size,
-        "torch": torch.__version__.split("+")[0],
-        "model": shapes,
-        "backend": f"{BACKEND} ({os.path.basename(__file__)})",
-    }
+def flag_words(key, value=True):
+    """A flag as a user says it: --lr 0.5, --amp, no --amp, world size 4; given no value, its name."""
+    spoken = key in ("world_size", "torch", "backend")  # no flag: said in words
+    name = key.replace("_", " ") if spoken else "--" + key.replace("_", "-")
+    return name if value is True else f"no {name}" if value is False else f"{name} {value}"
 
 
-def script_digest():
-    """This file's SHA-256, shortened: the roll call warns where machines run different scripts."""
-    with open(os.path.abspath(__file__), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:12]
-
-
-def flag_name(key):
-    return (
-        key.replace("_", " ") if key in ("world_size", "torch", "backend") else "--" + key.replace("_", "-")
-    )
-
-
-def flag_words(key, value):
-    """A flag and its value as a user says it: --lr 0.5, --amp, no --amp, world size 4."""
-    if isinstance(value, bool):
-        return flag_name(key) if value else f"no {flag_name(key)}"
-    return f"{flag_name(key)} {value}"
-
-
-def disagreement(differ, job, me):
-    """The line for machines whose flags, model, torch or backend differ: what each has, and what to do."""
+def check_agreement(store, rank, args, job, me):
+    """Stop where the job's flags, model, torch or backend differ from ours: alone if it is another job."""
+    facts = job["job"], me["job"]
+    differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+    if not differ:
+        return
+    theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+    if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
+        abort_job(None, rank, args, (
+            f"error: {args.master_addr}:{args.master_port} is another job's rendezvous (rank 0 on "
+            f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another --master-port "
+            "for this job"))  # fmt: skip
+    what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_words, differ))
     if "model" in differ:  # the first parameter that differs, not all of them
-        theirs, ours = job["job"]["model"], me["job"]["model"]
-        at = next(i for i in range(max(len(theirs), len(ours))) if theirs[i : i + 1] != ours[i : i + 1])
-        what, fix = "the model", "run one copy of the script on every machine"
-        theirs, ours = (", ".join(map(str, m[at : at + 1])) or "fewer parameters" for m in (theirs, ours))
-    else:
-        what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_name, differ))
-        theirs, ours = (", ".join(flag_words(k, j["job"][k]) for k in differ) for j in (job, me))
-        fix = (
-            "install one torch version on every machine"
-            if differ == ["torch"]
-            else "run one script on every machine: the CPU one, or the GPU one"
-            if "backend" in differ
-            else "start every machine with the same --num-machines and processes per machine"
-            if what == "the layout"
-            else f"start every machine with the same {what}"
-        )
-    return (
+        models = facts[0]["model"], facts[1]["model"]
+        at = next(i for i in itertools.count() if models[0][i : i + 1] != models[1][i : i + 1])
+        theirs, ours = (", ".join(map(str, m[at : at + 1])) or "fewer parameters" for m in models)
+        what = "the model"
+    key = next((k for k in ("model", "backend") if k in differ), what)
+    fix = FIXES.get(key, f"start every machine with the same {what}")
+    abort_job(job_store(store), rank, args, (
         f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
-        f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"
-    )
+        f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"))  # fmt: skip
 
 
 def count_machines(records, args):
     """Each rank's machine, by --machine-id (or a launcher's), else by host; warns where scripts differ."""
     key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
-    named = {}  # one warning per machine
-    for r in records:
-        if r["script"] != records[0]["script"] and named.setdefault(machine_of[r["rank"]], r) is r:
-            print(
-                f"warning: machine {machine_of[r['rank']]} ({r['host']}) runs another "
-                f"{os.path.basename(__file__)} than machine 0 ({records[0]['host']}): its flags, model "
-                "and torch agree, so the job goes on; copy one script to every machine to be sure they "
-                "compute the same",
-                file=sys.stderr,
-                flush=True,
-            )
+    others = [(m, r["host"]) for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]]
+    for m, host in dict.fromkeys(others):  # one warning per machine
+        print(f"warning: machine {m} ({host}) runs another {os.path.basename(__file__)} than machine 0 "
+              f"({records[0]['host']}): its flags, model and torch agree, so the job goes on; copy one "
+              "script to every machine to be sure they compute the same", file=sys.stderr)  # fmt: skip
     return machine_of
-
-
-def unused_files(job, me, rank, args):
-    """Rank 0's command alone names the job's files: another machine warns once of its own, unused."""
-    ignored = [flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k)]
-    if ignored and local_rank_of(rank, args) == 0 and args.machine_id != 0:
-        print(
-            f"warning: machine {args.machine_id} ({me['host']}): {', '.join(ignored)} not used here: rank 0 "
-            "reads and writes the job's files, as machine 0's command says",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def rank0_files(args):
@@ -1195,22 +1125,18 @@ def claimed_twice(rank, first, second, args):
 
 def check_same_data(data, rank, args):
     """All machines train on the same data, or all stop (a differing copy still parses). A collective."""
-    digests = (
-        [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data]
-        if local_rank_of(rank, args) == 0
-        else None
-    )
+    hashes = local_rank_of(rank, args) == 0  # once per machine
+    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data if hashes]
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), digests))
+    dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), mine))
     names = ("training images", "training labels", "test images", "test labels")
-    for machine, host, theirs in (e for e in everyone if e[2] is not None and e[2] != everyone[0][2]):
-        differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
-        line = (
-            f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} "
-            f"{differ} differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every "
-            "machine's --data-dir"
-        )
-        abort_job(None, rank, args, line)
+    for machine, host, theirs in everyone:
+        if theirs and theirs != everyone[0][2]:
+            differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
+            abort_job(None, rank, args, (
+                f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} "
+                f"{differ} differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every "
+                "machine's --data-dir"))  # fmt: skip
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
