@@ -1932,8 +1932,7 @@ def report(metrics, args):
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, and every
-    step would fault its activations' pages in afresh."""
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
@@ -1941,7 +1940,7 @@ def keep_freed_memory():
 
 
 def release_freed_memory():
-    """Return the blocks kept for training steps to the system (malloc_trim(3)) after each evaluation."""
+    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
