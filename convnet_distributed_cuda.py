@@ -1606,9 +1606,9 @@ def raise_on_signals(ctrl_c):
 
 
 def exit_with_launcher(launcher):
-    """A worker's thread: it stops the worker when its launcher is gone (SIGKILL, out of memory)."""
-    # An orphan gets a new parent (Linux, macOS); on Windows the launcher's handle says it ended. Not
-    # PR_SET_PDEATHSIG: Linux's alone, and torch's (SIGINT) is lost where SIGINT is ignored (nohup).
+    """A worker's thread: it stops the worker once its launcher is gone (SIGKILL, out of memory). Not
+    PR_SET_PDEATHSIG: Linux's alone, and torch's (SIGINT) is lost where SIGINT is ignored (nohup)."""
+    # An orphan gets a new parent (Linux, macOS); on Windows the launcher's handle says it ended.
     while os.getppid() == launcher.pid and launcher.is_alive():
         time.sleep(0.5)
     _thread.interrupt_main(
