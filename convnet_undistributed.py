@@ -412,17 +412,15 @@ def cgroup_cpus():
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, and every
-    step would fault its activations' pages in afresh."""
-    with contextlib.suppress(OSError):  # not glibc: its allocator keeps its own counsel
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
+    with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
 
 
 def release_freed_memory():
-    """Hand the kept blocks back (malloc_trim(3)) after an epoch's evaluation: the checkpoint and the exit
-    need not carry them."""
+    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -456,7 +454,7 @@ def raise_on_signals(ctrl_c):
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # a launcher may have blocked them: stops act from here on
+    if hasattr(signal, "pthread_sigmask"):  # where a launcher blocked them
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
