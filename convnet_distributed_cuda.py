@@ -1277,52 +1277,50 @@ def checkpoint_note(path, before):
 
 
 def run_workers(args, data, nprocs, listener):
-    """Start this machine's nprocs processes and wait for them; when one fails, stop the others."""
-    # spawn logs every stop it makes; the failed worker's own message says more.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    """Start this machine's nprocs processes and wait; when one fails, torch's join stops the others."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the worker's line says why
+    method, ctrl_c = start_method(), signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    if method == "spawn" and os.name == "posix":
+        resource_tracker.ensure_running()  # spawn would start it, unblocking the signals below as it starts
+    # A stop as the workers start waits (raised in fork's bookkeeping, it is lost): blocked here and in the
+    # workers, which inherit the mask, until raise_on_signals. (Windows has no masks.)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
-        if start_method() == "spawn" and os.name == "posix":
-            resource_tracker.ensure_running()  # spawn starts it, letting held signals through as it starts
-        with hold_signals() as signal_state:
-            context = mp.start_processes(
-                spawned_worker,
-                args=(args, data, listener, signal_state),
-                nprocs=nprocs,
-                join=False,
-                start_method=start_method(),
-            )
+        context = mp.start_processes(
+            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=method
+        )
+        raise_on_signals(ctrl_c)  # a stop that came as they started is raised here
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code == 130:
-            raise KeyboardInterrupt from None
-        if e.exit_code == 143 or e.signal_name == "SIGTERM":
-            raise Terminated from None
-        # Exit status 1 is a worker's sys.exit, which printed why; anything else killed it: say so.
+        if e.exit_code in (130, 143, -signal.SIGTERM):  # a stop: the launcher's line tells it
+            raise (KeyboardInterrupt if e.exit_code == 130 else Terminated) from None
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
         rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
-        sys.exit(
-            1
-            if e.exit_code == 1
-            else f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
-        )
-    finally:
-        end_workers(mp.active_children())  # every worker started, even when a failure came as they started
+        line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
+        sys.exit(1 if e.exit_code == 1 else line)  # 1: the worker's sys.exit, which printed why
+    finally:  # every worker started, even where a stop came as they started: SIGTERM, SIGKILL after 10 s
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second stop must not cut this short
+            signal.signal(signum, signal.SIG_IGN)
+        workers, deadline = mp.active_children(), time.monotonic() + 10
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            process.kill()  # where still there
+            process.join()
         if listener is not None:  # held until now: the port's holder, as a user sees it, is this launch
             listener.close()
 
 
-def spawned_worker(local_rank, args, data, listener, signal_state):
-    mask, ctrl_c = signal_state
-    raise_on_signals(ctrl_c)
-    exit_with_launcher()
+def spawned_worker(local_rank, args, data, listener, ctrl_c):
+    threading.Thread(target=exit_with_launcher, args=(mp.parent_process(),), daemon=True).start()
     try:
-        release_signals(mask)  # a Ctrl-C or SIGTERM that came as this worker started is raised here
+        raise_on_signals(ctrl_c)  # a stop that came as this worker started is raised here
         worker(local_rank, args, data, listener)
-    except KeyboardInterrupt:
-        exit_at_once(130)  # spawn would report 0 for Ctrl-C: the launcher must know the run did not finish
-    except Terminated:
-        exit_at_once(143)
+    except (KeyboardInterrupt, Terminated) as e:  # not spawn's 0 for Ctrl-C: the run did not finish
+        exit_at_once(143 if isinstance(e, Terminated) else 130)
     except SystemExit as e:
         exit_at_once(e.code)
     except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
@@ -1339,12 +1337,11 @@ def exit_on_signal(args):
     try:
         yield
     except (KeyboardInterrupt, Terminated) as e:
-        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        # Only machine 0 tells what the file holds: elsewhere it may be another (a shared folder's) or none.
-        checkpoint = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
-        if args.local_rank == 0:  # under a launcher that starts every process, one line per machine
-            print(f"{how}: every process of this launch stopped{checkpoint}", file=sys.stderr)
-        sys.exit(status)
+        how = "Terminated (SIGTERM)" if isinstance(e, Terminated) else "Interrupted"
+        if args.local_rank == 0:  # one line per machine; machine 0's alone tells what the file holds
+            kept = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
+            print(f"{how}: every process of this launch stopped{kept}", file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 class Terminated(BaseException):
@@ -1364,60 +1361,21 @@ def raise_on_signals(ctrl_c):
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked as workers start (run_workers): one held is raised now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
-@contextlib.contextmanager
-def hold_signals():
-    """Ctrl-C and SIGTERM wait while the workers start (raised in fork's bookkeeping, a stop is lost), then
-    act; workers inherit them blocked until their handlers are set. Yields (mask, ctrl_c)."""
-    noted, stops = [], (signal.SIGINT, signal.SIGTERM)
-    handlers = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in stops}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        yield mask, handlers[signal.SIGINT] is not signal.SIG_IGN
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        release_signals(mask)
-        if noted:
-            signal.raise_signal(noted[0])
-
-
-def release_signals(mask):
-    if mask is not None:  # None: no signal masks (Windows), where workers are spawned with own handlers
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def exit_with_launcher():
-    """A worker stops when its launcher is gone (SIGKILL, out of memory). A thread watches: spawn's SIGINT on
-    the parent's death (PR_SET_PDEATHSIG) is Linux-only, and lost where SIGINT is ignored (nohup)."""
-    launcher = mp.parent_process()
-
-    def watch():
-        # An orphan gets a new parent (Linux, macOS); on Windows, the launcher's handle says it ended.
-        while os.getppid() == launcher.pid and launcher.is_alive():
-            time.sleep(0.5)
-        # Terminated, raised in the main thread as SIGTERM would be (os.kill would end a Windows process).
-        _thread.interrupt_main(signal.SIGTERM)
-        time.sleep(10)
-        os._exit(143)  # still here: stuck in a call that never returns to Python
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def end_workers(processes):
-    """No worker outlives its launcher: SIGTERM, then SIGKILL after 10 s; further stops ignored meanwhile."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + 10
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
+def exit_with_launcher(launcher):
+    """A worker's thread: it stops the worker once its launcher is gone (SIGKILL, out of memory). Not
+    PR_SET_PDEATHSIG: Linux's alone, and torch's (SIGINT) is lost where SIGINT is ignored (nohup)."""
+    # An orphan gets a new parent (Linux, macOS); on Windows the launcher's handle says it ended.
+    while os.getppid() == launcher.pid and launcher.is_alive():
+        time.sleep(0.5)
+    _thread.interrupt_main(
+        signal.SIGTERM
+    )  # Terminated, as SIGTERM raises it (os.kill ends a Windows process)
+    time.sleep(10)
+    os._exit(143)  # still here: stuck in a call that never returns to Python
 
 
 def exit_if_contact_lost(error, rank, args):
@@ -1435,8 +1393,8 @@ GROUPS_KEPT = []
 
 
 def exit_at_once(status=0):
-    """Exit as sys.exit(status) would, without tearing the interpreter down: that is slow (torch's libraries
-    are paged back in to unload) and frees the group worker() kept, whose threads can abort the process."""
+    """Exit as sys.exit(status) would, without the interpreter's teardown: it is slow (torch's libraries are
+    paged in to unload) and frees the group worker() kept, whose threads can abort the process."""
     with contextlib.suppress(ValueError):  # a stop now would cut the exit short (ValueError: not main thread)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
@@ -1445,9 +1403,7 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # os._exit drops what C code holds in stdio's buffers (a C library's log file would lose its last block):
-    # fflush(NULL) flushes every C stream. Not on Windows, which has no CDLL(None).
-    if os.name == "posix":
+    if os.name == "posix":  # os._exit drops what C code holds in stdio's buffers: fflush(NULL) flushes them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
@@ -1474,22 +1430,17 @@ def report(metrics, args):
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, so every step
-    would map its activations afresh and fault their pages in again."""
-    try:
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
+    with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
 
 
 def release_freed_memory():
-    """Return the blocks kept for training steps to the system (malloc_trim(3)) after each evaluation."""
-    try:
+    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing was kept
 
 
 def keep_pool_gradient_channels_last(model):
@@ -1497,9 +1448,8 @@ def keep_pool_gradient_channels_last(model):
     gradient to NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
 
     def on_pooled(module, inputs):
-        pooled = inputs[0]
-        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
-            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
@@ -1507,25 +1457,22 @@ def keep_pool_gradient_channels_last(model):
 def layout_line(world_size, args, allreduce):
     """Rank 0's first line: the job as it formed, so nobody trains alone or on another layout unawares."""
     sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
-    each = (
-        f"x {plural(sizes[0], 'process')}"
-        if len(set(sizes)) == 1
-        else f"({' + '.join(map(str, sizes))} processes)"
-    )
-    averaging = averaging_words(allreduce, args)
+    same = len(set(sizes)) == 1
+    each = f"x {plural(sizes[0], 'process')}" if same else f"({' + '.join(map(str, sizes))} processes)"
     return (
         f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
         f"{plural(torch.get_num_threads(), 'thread')} per process"
         + (f", from {args.threads_from}" if args.threads_from else "")
-        + f"; gradients averaged {averaging}"
+        + f"; gradients averaged {averaging_words(allreduce, args)}"
         + (f" ({args.launch_note})" if args.launch_note else "")
     )
 
 
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """The run's figures, for its last lines and --metrics-json. A collective (every rank's peak memory)."""
-    test_loss, test_accuracy, test_count = test
+    """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory."""
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak_memory_mib())
     return {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
         "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
@@ -1534,28 +1481,18 @@ def run_figures(args, device, world_size, history, train_seconds, samples, test,
         "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
         "samples_per_second": len(history) * samples / train_seconds if train_seconds else None,
         "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test_loss, "test_accuracy": test_accuracy, "test_samples": test_count,
-        "peak_rss_mib_per_rank": peak_memory_per_rank(device), "history": history,
+        "test_loss": test[0], "test_accuracy": test[1], "test_samples": test[2],
+        "peak_rss_mib_per_rank": peaks, "history": history,
     }  # fmt: skip
-
-
-def peak_memory_per_rank(device):
-    """Every rank's peak_memory_mib(), on every rank: a collective."""
-    peak = peak_memory_mib()  # None where it cannot be known (Windows): sent as -1
-    mine = torch.tensor([-1.0 if peak is None else peak], dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [t.item() if t.item() >= 0 else None for t in everyone]
 
 
 def peak_memory_mib():
     """This process's peak resident set so far, in MiB (getrusage(2)); None on Windows."""
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+    with contextlib.suppress(ImportError):  # resource: Unix only
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS: bytes, Linux: KiB
 
 
 # ---- S9. Command-line values and words ---------------------------------------------------------------------

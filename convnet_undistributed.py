@@ -205,12 +205,11 @@ def plural(n, word):
 
 def peak_memory_mib():
     """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS counts bytes, Linux KiB
+    with contextlib.suppress(ImportError):  # resource: Unix only
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS: bytes, Linux: KiB
 
 
 # ---- 5. Checkpoint
@@ -370,23 +369,17 @@ def cgroup_cpus():
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB to the system, and every
-    step would fault its activations' pages in afresh."""
-    try:
+    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
+    with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator keeps its own counsel
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
 
 
 def release_freed_memory():
-    """Hand the kept blocks back (malloc_trim(3)) after an epoch's evaluation: the checkpoint and the exit
-    need not carry them."""
-    try:
+    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing was kept
 
 
 def keep_pool_gradient_channels_last(model):
@@ -394,9 +387,8 @@ def keep_pool_gradient_channels_last(model):
     flatten()'s NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
 
     def on_pooled(module, inputs):
-        pooled = inputs[0]
-        if pooled.requires_grad and pooled.is_contiguous(memory_format=torch.channels_last):
-            pooled.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
@@ -419,6 +411,8 @@ def raise_on_signals(ctrl_c):
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # where a launcher blocked them
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
 def write_atomically(path, write):

@@ -167,7 +167,7 @@ GUARDED = {
     ("os", "sched_yield"): "SharedMemoryAverager, which runs on Linux x86-64 alone",
     ("signal", "pthread_sigmask"): "hasattr(signal, 'pthread_sigmask')",
     ("signal", "SIG_BLOCK"): "with pthread_sigmask, behind its hasattr",
-    ("signal", "SIG_SETMASK"): "release_signals, with a mask only where pthread_sigmask exists",
+    ("signal", "SIG_UNBLOCK"): "with pthread_sigmask, behind its hasattr (raise_on_signals)",
 }
 
 
