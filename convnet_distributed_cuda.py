@@ -693,7 +693,9 @@ def rendezvous(rank, world_size, is_master, args, listener):
         yield store_options(is_master, args, listener)
     except (dist.DistError, OSError) as e:
         where = f"{args.master_addr}:{args.master_port}"
-        sys.exit(f"error: rank {rank}: the rendezvous at {where} failed ({last_line(e)})")
+        sys.exit(
+            f"error: rank {rank}: the rendezvous at {where} failed ({last_line(e)}): check --master-port"
+        )
 
 
 def store_options(is_master, args, listener):
@@ -753,7 +755,7 @@ def port_holder(port):
         with contextlib.suppress(OSError):
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    command = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
                 return f"pid {pid} ({command[:100]})"
 
 
