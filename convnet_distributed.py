@@ -950,19 +950,9 @@ def expand_counts(text):
 
 @contextlib.contextmanager
 def rendezvous(rank, world_size, is_master, args, listener):
-    """Wait until machine 0 listens, a failure one line; yields store_options."""
+    """Wait until machine 0 listens, a failure one line; yield TCPStore's other options: rank 0 serves on
+    claim_port's socket, nobody waits (roll_call does)."""
     resolve(args, rank, connect=not is_master)
-    try:
-        yield store_options(is_master, args, listener)
-    except (dist.DistError, OSError) as e:
-        where = f"{args.master_addr}:{args.master_port}"
-        sys.exit(
-            f"error: rank {rank}: the rendezvous at {where} failed ({last_line(e)}): check --master-port"
-        )
-
-
-def store_options(is_master, args, listener):
-    """TCPStore's other options: rank 0 serves on claim_port's socket; nobody waits (roll_call does)."""
     if is_master:  # a launcher's rank 0 claims the port itself
         listener = listener or claim_port(args)[0]
     elif listener:
@@ -970,7 +960,11 @@ def store_options(is_master, args, listener):
     options = {"wait_for_workers": False}
     if is_master and listener:  # none on Windows: TCPStore binds for itself
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
-    return options
+    try:
+        yield options
+    except (dist.DistError, OSError) as e:
+        where = f"{args.master_addr}:{args.master_port}"
+        sys.exit(f"error: rank {rank}: rendezvous at {where} failed ({last_line(e)}): check --master-port")
 
 
 def claim_port(args):
@@ -979,8 +973,7 @@ def claim_port(args):
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
-    # The store has no authentication: where every process is on this machine, it listens on loopback only
-    # (IPv4 first: no ::1 where IPv6 is off).
+    # The store has no authentication: a job on one machine serves it on loopback (IPv4: ::1 may be off).
     one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
         listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
@@ -1011,9 +1004,8 @@ def port_holder(port):
     sockets, local = set(), f":{port:04X}"
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # number, local address:port (hex), remote, state...
         with contextlib.suppress(OSError), open(table) as f:
-            sockets |= {
-                f"socket:[{r[9]}]" for r in map(str.split, f) if r[1].endswith(local) and r[3] == "0A"
-            }
+            rows = [row.split() for row in f]
+            sockets |= {f"socket:[{r[9]}]" for r in rows if r[1].endswith(local) and r[3] == "0A"}
     for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
         with contextlib.suppress(OSError):
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
