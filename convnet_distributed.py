@@ -1419,7 +1419,8 @@ def reach_every_machine(store, rank, args):
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
-    with contextlib.suppress(ValueError, TypeError, LookupError):  # else where the backend listens, if known
+    # Where its backend listens, if this machine published it (None where interfaces cannot be listed).
+    with contextlib.suppress(ValueError, TypeError, LookupError):
         if store.check([f"machine/{me}"]):
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
     with listening(0) as listener:
