@@ -765,148 +765,114 @@ def expand_counts(text):
 
 @contextlib.contextmanager
 def rendezvous(rank, world_size, is_master, args, listener):
-    """Wait until --master-addr resolves and machine 0 listens, a failure one line; yields store_options."""
-    where, deadline = f"{args.master_addr}:{args.master_port}", time.monotonic() + args.timeout
-    resolve(args.master_addr, rank, deadline)
-    while not is_master:  # TCPStore would wait as long, then say only that it timed out
-        try:
-            socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                sys.exit(
-                    f"error: rank {rank}: no answer from machine 0 at {where} within --timeout "
-                    f"{args.timeout:g} s ({e.strerror or e}): start it, and check --master-addr, "
-                    "--master-port and the firewall"
-                )
-            time.sleep(0.5)
+    """Wait until machine 0 listens, a failure one line; yield TCPStore's other options: rank 0 serves on
+    claim_port's socket, nobody waits (roll_call does)."""
+    resolve(args, rank, connect=not is_master)
+    if is_master:  # a launcher's rank 0 claims the port itself
+        listener = listener or claim_port(args)[0]
+    elif listener:
+        listener.close()
+    options = {"wait_for_workers": False}
+    if is_master and listener:  # none on Windows: TCPStore binds for itself
+        options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     try:
-        yield store_options(is_master, args, listener)
+        yield options
     except (dist.DistError, OSError) as e:
-        verb = (
-            "cannot serve the rendezvous on" if is_master else "machine 0 does not answer as a rendezvous at"
-        )
-        sys.exit(f"error: rank {rank}: {verb} {where} ({last_line(e)})")
-
-
-def store_options(is_master, args, listener):
-    """TCPStore's other options: rank 0 serves on claim_port's socket; nobody waits (roll_call does)."""
-    if not is_master:
-        if listener is not None:
-            listener.close()
-        return {"wait_for_workers": False}
-    listener = claim_port(args)[0] if listener is None else listener  # a launcher's rank 0 claims it itself
-    if listener is None:  # Windows: TCPStore binds for itself
-        return {"wait_for_workers": False}
-    return {
-        "wait_for_workers": False,
-        "master_listen_fd": listener.detach(),
-        "use_libuv": torch.__version__ >= "2.8",
-    }
+        where = f"{args.master_addr}:{args.master_port}"
+        sys.exit(f"error: rank {rank}: rendezvous at {where} failed ({last_line(e)}): check --master-port")
 
 
 def claim_port(args):
-    """Machine 0's socket on the rendezvous port (or a free one), held so no other launch takes it, and the
-    port it holds."""
+    """Machine 0's socket listening on the rendezvous port (or a free one), held so that no other launch takes
+    it, and the port. Windows: no socket, TCPStore binds for itself."""
     if args.machine_id != 0:
         return None, args.master_port
-    found = resolve(args.master_addr, 0, time.monotonic() + args.timeout)
-    # The store has no authentication: where every process is on this machine, it listens on loopback only.
-    if args.num_machines == 1 and all(is_loopback(address[0]) for *_, address in found):
-        candidates = [(family, (address[0], args.master_port, *address[2:])) for family, *_, address in found]
-    else:  # every interface, as TCPStore binds: IPv6 and IPv4 where it can, else IPv4
-        candidates = [(socket.AF_INET6, ("::", args.master_port)), (socket.AF_INET, ("", args.master_port))]
+    hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
+    # The store has no authentication: a job on one machine serves it on loopback (IPv4: ::1 may be off).
+    one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
-        listener = bound_socket(candidates)
-        listener.listen()
+        listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
     except OSError as e:
         if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops
             machine0_twice(args)
-        free = ", or give none: a job on one machine takes a free one" if args.num_machines == 1 else ""
+        holder = port_holder(args.master_port) or "another program"
         sys.exit(
             f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} "
-            f"({e.strerror or e}): {port_holder(args.master_port) or 'another program'} holds the port: "
-            f"choose a free --master-port{free}"
+            f"({os.strerror(e.errno)}): {holder} holds the port: choose a free --master-port"
+            + (", or none for a free one" if args.num_machines == 1 else "")
         )
-    port = listener.getsockname()[1]
-    if os.name != "posix":  # Windows: TCPStore binds for itself
-        listener.close()
-        return None, port
-    return listener, port
+    if os.name != "posix":
+        with listener:
+            return None, listener.getsockname()[1]
+    return listener, listener.getsockname()[1]
 
 
-def bound_socket(candidates):
-    """A socket bound (not listening) to the first (family, address) this system has, as TCPStore binds."""
-    for i, (family, address) in enumerate(candidates):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                s.bind(address)
-                return socket.socket(family, socket.SOCK_STREAM, fileno=s.detach())
-        except OSError as e:  # skip only an address this system lacks (::1 or :: where IPv6 is off)
-            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or i == len(candidates) - 1:
-                raise
+def listening(port, host=""):
+    """A socket listening on host's port, or every address's (IPv6 and IPv4 where it can, as TCPStore)."""
+    dual = not host and socket.has_dualstack_ipv6()
+    family = socket.AF_INET6 if dual or ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, dualstack_ipv6=dual)
 
 
 def port_holder(port):
     """'pid N (its command)' of this host's process listening on port, from /proc (Linux); else None."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        sockets = set()
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                rows = [row.split() for row in f.readlines()[1:]]
-            sockets |= {
-                f"socket:[{r[9]}]" for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A"
-            }
-        for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
-            with contextlib.suppress(OSError):
-                if any(
-                    os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")
-                ):
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        command = " ".join(f.read().decode(errors="replace").replace("\0", " ").split())
-                    return f"pid {pid} ({command[:100]})"
-    return None
+    sockets, local = set(), f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # number, local address:port (hex), remote, state...
+        with contextlib.suppress(OSError), open(table) as f:
+            rows = [row.split() for row in f]
+            sockets |= {f"socket:[{r[9]}]" for r in rows if r[1].endswith(local) and r[3] == "0A"}
+    for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+                return f"pid {pid} ({command[:100]})"
 
 
 def machine0_twice(args):
-    """The port is held: if by this job's machine 0 from another launch, every launch stops; else this one
-    alone. Asked in a thread: a program that is no store may never answer."""
-    found, me = [], roll_call_record(0, placement(args, 0)[1], args)
+    """Every launch stops where the port's holder is this job's machine 0 from another launch. Asked in a
+    thread: TCPStore waits forever on a program that takes connections and never answers."""
+    me, found = roll_call_record(0, placement(args, 0)[1], args), []
 
     def ask():
         with contextlib.suppress(RuntimeError, ValueError):
-            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                  timeout=timedelta(seconds=5), wait_for_workers=False)  # fmt: skip
+            store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=5))
             if store.check(["job"]) and not store.check(["ready"]):
                 found.append((store, from_json(store.get("job"))))
 
     asking = threading.Thread(target=ask, daemon=True)
     asking.start()
     asking.join(5)
-    if found and is_record(found[0][1]):
-        (store, first) = found[0]
-        if (first["job"], first["launcher"]) == (me["job"], me["launcher"]) and first["launch"] != me[
-            "launch"
-        ]:
+    for store, first in found:
+        same_job = is_record(first) and all(first[k] == me[k] for k in ("job", "launcher"))
+        if same_job and first["launch"] != me["launch"]:
             abort_job(store, 0, args, claimed_twice(0, first, me, args))
 
 
-def resolve(name, rank, deadline):
-    """Wait for name to resolve (new DNS records can take seconds); after RESOLVE_SECONDS, it is a mistake."""
-    give_up = min(deadline, time.monotonic() + RESOLVE_SECONDS)
+def resolve(args, rank, connect):
+    """--master-addr's addresses once it resolves (new DNS records take seconds); with connect, once machine 0
+    listens there too (TCPStore's own wait is deaf to signals, and says only that it timed out)."""
+    start = time.monotonic()
     while True:
         try:
-            return socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            found = socket.getaddrinfo(args.master_addr, None, type=socket.SOCK_STREAM)
+            if connect:
+                socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
+            return found
         except socket.gaierror as e:
-            if time.monotonic() > give_up:
+            if time.monotonic() > start + min(args.timeout, RESOLVE_SECONDS):
                 sys.exit(
-                    f"error: rank {rank}: --master-addr {name} does not resolve ({e.strerror}): give machine "
-                    "0's address, or a name every machine resolves (check /etc/hosts and DNS)"
+                    f"error: rank {rank}: --master-addr {args.master_addr} does not resolve ({e.strerror}): "
+                    "give machine 0's address, or a name every machine resolves"
                 )
-            time.sleep(0.5)
+        except OSError as e:
+            if time.monotonic() > start + args.timeout:
+                sys.exit(
+                    f"error: rank {rank}: no answer from machine 0 at {args.master_addr}:{args.master_port} "
+                    f"within --timeout {args.timeout:g} s ({e.strerror or e}): start it, or check "
+                    "--master-addr, --master-port and the firewall"
+                )
+        time.sleep(0.5)
 
 
 def is_loopback(address):
@@ -1142,7 +1108,7 @@ def check_same_data(data, rank, args):
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
 
 
-def abort_job(store, rank, args, line):
+def abort_job(store, rank, args, line, end=sys.exit):
     """Stop with line, said once per machine (by local rank 0); with store, every process of the job stops."""
     if store is not None:
         with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
@@ -1151,31 +1117,27 @@ def abort_job(store, rank, args, line):
         time.sleep(1)  # the others look every 0.5 s or more often: let them read the line first
     if local_rank_of(rank, args) != 0:
         time.sleep(2)
-        sys.exit(1)
-    sys.exit(line)
+        end(1)
+    end(line)
 
 
 @contextlib.contextmanager
 def exit_on_abort(rank, args, stderr=2):
-    """Around a wait in C++ for every process (the backend's connecting): another's line in the store
-    (abort_job) stops this one within a second, through its own store client: the backend's may block."""
+    """Around a wait in C++ (the backend connecting): a line in the store (abort_job) stops this process
+    within a second, read through a store client of its own (the backend's may be blocked)."""
     done = threading.Event()
 
     def watch():
         with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
-            store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                                  timeout=timedelta(seconds=args.timeout),
-                                  wait_for_workers=False)  # fmt: skip
+            store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
             if args.launcher == "torchrun":
                 store = dist.PrefixStore(torchrun_attempt(), store)
             while not done.wait(0.5):
                 if store.check(["abort"]):
                     line = store.get("abort").decode(errors="replace").strip()[:2000]
-                    time.sleep(1)  # the store may be this process's: let the others read the line first
-                    if local_rank_of(rank, args) != 0:  # one line per machine, as abort_job says it
-                        time.sleep(2)
+                    time.sleep(1)  # let the others read the line before this process (maybe the store's) goes
                     os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
-                    exit_at_once(line if local_rank_of(rank, args) == 0 else 1)
+                    abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -1191,55 +1153,41 @@ def local_rank_of(rank, args):
 
 
 def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 checks it reaches every other machine on a new port, as the backend must: a
-    firewall open on the rendezvous port alone would stall the backend for minutes, whatever --timeout."""
+    """Each machine's local rank 0 checks that it reaches every other machine on a new port, as the backend
+    must: a firewall open on the rendezvous port alone would stall the backend for minutes."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
-    me, deadline = args.machine_id, time.monotonic() + 10
-    others = [m for m in range(args.num_machines) if m != me]
+    me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
-    # Reached where its backend listens: the address this machine published, if any, else its end of a
-    # connection to the rendezvous (for loopback, the rendezvous's address as the others reach it).
-    if store.check([f"machine/{me}"]):
-        # None published where interfaces cannot be listed.
-        with contextlib.suppress(ValueError, TypeError, LookupError):
+    # Where its backend listens, if this machine published it (None where interfaces cannot be listed).
+    with contextlib.suppress(ValueError, TypeError, LookupError):
+        if store.check([f"machine/{me}"]):
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
-    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET  # every address, IPv4 too
-    with socket.create_server(("", 0), family=family, dualstack_ipv6=family == socket.AF_INET6) as listener:
+    with listening(0) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
             with exit_on_abort(rank, args):  # another machine's line stops this one
-                if not all_set(store, [f"probe/{m}" for m in others], deadline):
-                    return  # a machine took no part within 10 s (another script): let be
+                store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
                 for m in others:
                     value = store.get(f"probe/{m}")
                     address, at, host = value.decode().split() if len(value) < 300 else ()
-                    address = far if is_loopback(address) else address
+                    address = far if is_loopback(address) else address  # machine 0, as this one reaches it
                     socket.create_connection((address, port_number(at)), timeout=5).close()
-                store.set(f"probed/{me}", "1")
-                # Listening until the others have tried.
-                all_set(store, [f"probed/{m}" for m in others], deadline)
-        except dist.DistError:  # the store went: the backend will say why
+                store.set(f"probed/{me}", "1")  # listening until the others have tried
+                store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
+        except dist.DistError:  # the store went (the backend will say why), or a machine took no part in 10 s
             return
         except (ValueError, argparse.ArgumentTypeError):  # port_number(): not in 1-65535
             abort_job(store, rank, args, (
-                f"error: machine {m} published {value[:80]!r} for the reachability check, not its address, "
-                "port and host: run one copy of this script on every machine"))  # fmt: skip
+                f"error: machine {m} published {value[:80]!r}, not an address, port and host for the "
+                "reachability check: run one copy of this script on every machine"))  # fmt: skip
         except OSError as e:
             abort_job(store, rank, args, (
                 f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at "
                 f"{address} port {at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP "
                 f"ports between the machines, or set {BACKEND.upper()}_SOCKET_IFNAME on each to the "
                 "interface that reaches them"))  # fmt: skip
-
-
-def all_set(store, keys, deadline):
-    """Whether every key is set by deadline."""
-    with contextlib.suppress(dist.DistStoreError):  # the wait timed out
-        store.wait(keys, timedelta(seconds=max(0.01, deadline - time.monotonic())))
-        return True
-    return False
 
 
 # ---- S5. --check, and compression for slow links -----------------------------------------------------------
