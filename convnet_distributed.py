@@ -1,19 +1,14 @@
 #!/usr/bin/env python3
-"""Data-parallel training of a small ConvNet on MNIST, on CPUs, with DistributedDataParallel over Gloo.
+"""Data-parallel training of a small ConvNet on MNIST, on CPUs: DistributedDataParallel over Gloo.
 
-Each machine runs this script once, which starts --num-processes workers; each trains a copy of the model on
-its shard, and DDP averages the gradients. --batch-size is per process: the global batch is that x world size.
-
-One machine, one process (the baseline, through the distributed code path):
-    python convnet_distributed.py --num-machines 1 --num-processes 1 --machine-id 0 --epochs 1 --batch-size 128
-One machine, 2 processes, the global batch kept at 128:
+Each machine runs this script once; it starts --num-processes workers, each training a copy of the model on
+its shard while DDP averages the gradients. --batch-size is per process: the global batch is it x world size.
     python convnet_distributed.py --num-processes 2 --batch-size 64
-Two machines with 8 processes each, one launch per machine, both naming machine 0's address:
-    python convnet_distributed.py --num-machines 2 --machine-id 0 --num-processes 8 --batch-size 16 --master-addr 10.0.0.1 --master-port 8892
-    python convnet_distributed.py --num-machines 2 --machine-id 1 --num-processes 8 --batch-size 16 --master-addr 10.0.0.1 --master-port 8892
+Two machines, one launch each, both naming machine 0's address (here machine 0's launch):
+    python convnet_distributed.py --num-machines 2 --machine-id 0 --num-processes 8 --master-addr 10.0.0.1
 Under torchrun, which starts the processes itself:
     torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
-"""  # noqa: E501 (commands are one line each)
+"""
 
 import _thread
 import argparse

@@ -1,20 +1,14 @@
 #!/usr/bin/env python3
 """Data-parallel training of a small ConvNet on MNIST, on GPUs: one process per GPU, NCCL.
 
-Each machine runs this script once: one worker per GPU, and the workers of all machines join one NCCL
-process group. Each trains on its shard of every epoch; DistributedDataParallel averages the gradients.
---batch-size is per process: the global batch is batch size x world size. Without a GPU, use
-convnet_distributed.py.
-
-One GPU:
-  python convnet_distributed_cuda.py --num-machines 1 --num-gpu-processes 1 --machine-id 0 --batch-size 128
-Every GPU of this machine (8 GPUs: 8 processes, global batch 8 x 64):
-  python convnet_distributed_cuda.py --batch-size 64
-Two machines, every GPU of each: one launch per machine, both naming machine 0's address:
-  python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1 --master-port 8892
-  python convnet_distributed_cuda.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1 --master-port 8892
+Each machine runs this script once; it starts one worker per GPU, each training a copy of the model on its
+shard while DDP averages the gradients. --batch-size is per process: the global batch is it x world size.
+    python convnet_distributed_cuda.py --batch-size 64
+Two machines, one launch each, both naming machine 0's address (here machine 0's launch):
+    python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1
 Under torchrun, which starts the processes itself:
-  torchrun --nproc-per-node 8 convnet_distributed_cuda.py
+    torchrun --nproc-per-node 8 convnet_distributed_cuda.py
+Without a GPU, use convnet_distributed.py.
 """
 
 import _thread
