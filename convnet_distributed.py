@@ -407,52 +407,44 @@ def start_method():
 
 
 def choose_gloo_interface(store, rank, world_size, args):
-    """Point Gloo at an address the other machines reach, and tell rank 0 which. A user's GLOO_SOCKET_IFNAME
-    wins; a job on one machine keeps Gloo on loopback."""
-    # Gloo listens where the host name resolves, often loopback (Debian's 127.0.1.1). A connection to the
-    # rendezvous shows how the others see a machine: its near end, or for machine 0 another machine's far end.
+    """Point Gloo at an address the other machines reach, and tell rank 0 which. GLOO_SOCKET_IFNAME wins; a
+    job on one machine keeps Gloo, unauthenticated, on loopback."""
     count, name, listed = placement(args, 0)[2], getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
-    spans, found = world_size > count, listed or {}  # listed is None where this system cannot list them
-    loopbacks = [n for n, held in found.items() if held and is_loopback(held[0])]
-    if spans:
+    spans = world_size > count  # listed is None where this system cannot list them; macOS lists not lo0
+    found = listed or ({"lo0": ["127.0.0.1"]} if sys.platform == "darwin" else {})
+    if spans:  # Gloo listens where the host name resolves, often loopback: the others reach the near end
         with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
             address, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
-        store.set(f"ends/{rank}", f"{address} {far}")
-    if name:  # checked by check_gloo_socket_ifname() before the processes started
-        address = found.get(name.split(",")[0], ["its address"])[0]
-    elif spans and listed is not None:
-        if is_loopback(address):  # this machine serves the rendezvous: a process of another machine knows
-            other = next(r for r, m in enumerate(args.machine_of) if m != args.machine_id)
-            raw = store.get(f"ends/{other}")
-            try:  # both on one host: loopback is right
-                near, far = raw.decode().split()
-                address = address if is_loopback(near) else str(ipaddress.ip_address(far))
-            except ValueError:  # not two addresses: the store is unauthenticated
-                abort_job(store, rank, args, bad_value(rank, f"ends/{other}", raw, args))
+        store.set(f"far/{args.machine_id}", far)
+    if not name and spans and listed is not None:
+        if is_loopback(address):  # machine 0, its name on loopback: reached where machine 1 reached it
+            try:
+                far = str(ipaddress.ip_address((raw := store.get("far/1")).decode()))
+            except ValueError:  # the store is unauthenticated
+                abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
+            address = address if is_loopback(far) else far  # loopback where both are on one host
         # Gloo listens on an interface's first address: an alias label whose first address this is, if any.
         held = [n for n, on in found.items() if address in on]
         if not held:
             abort_job(store, rank, args, (
                 f"error: rank {rank}: the other machines reach this one at {address}, which no interface "
-                "here holds (a NAT between them?): set GLOO_SOCKET_IFNAME to the interface they reach"
+                "here holds (a NAT?): set GLOO_SOCKET_IFNAME to the interface they reach"
             ))  # fmt: skip
-        name = os.environ["GLOO_SOCKET_IFNAME"] = min(held, key=lambda n: address != found[n][0])
-        address = found[name][0]
-    elif not spans and (loopbacks or sys.platform == "darwin"):  # macOS's lo0 is not listed
-        # One machine: Gloo, unauthenticated, listens where no other machine can reach it.
-        name = os.environ["GLOO_SOCKET_IFNAME"] = (loopbacks or ["lo0"])[0]
-        address = found.get(name, ["127.0.0.1"])[0]
-    else:  # Gloo's own choice: the first address this host's name resolves to, else loopback
+        name = min(held, key=lambda n: address != found[n][0])
+    elif not name and not spans:
+        name = next((n for n, on in found.items() if on and is_loopback(on[0])), None)
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        address = found.get(name.split(",")[0], ["its address"])[0]
+    else:  # Gloo's own choice: the host name's first address, else loopback
         address = "127.0.0.1"
         with contextlib.suppress(OSError):
-            address = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+            address = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
         name = next((n for n, on in found.items() if address in on), "the host name's interface")
-        if spans and rank == 0:  # only where this system cannot list its interfaces
-            print0(
-                f"This system ({sys.platform}) cannot tell which network interface reaches the other "
-                "machines: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails to connect"
-            )
-    if local_rank_of(rank, args) == 0:  # one report per machine, for rank 0 to print
+        if spans and rank == 0:
+            print0(f"This system ({sys.platform}) cannot tell which network interface reaches the other "
+                   "machines: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")  # fmt: skip
+    if local_rank_of(rank, args) == 0:  # one report per machine: rank 0 prints it, reach_every_machine reads
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
     for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
         report = from_json(raw := store.get(f"machine/{machine}"))
@@ -463,35 +455,30 @@ def choose_gloo_interface(store, rank, world_size, args):
 
 
 def check_gloo_socket_ifname():
-    """Stop at once, in one line, where GLOO_SOCKET_IFNAME names no interface of this machine with an address:
-    Gloo would raise a C++ exception in every process."""
-    name = getenv("GLOO_SOCKET_IFNAME")
-    addresses = interface_addresses() if name else None  # unset, or not listed here: Gloo will say
-    for one in name.split(",") if addresses is not None else ():
-        if not addresses.get(one):
-            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(addresses.items()))
-            sys.exit(
-                f"error: GLOO_SOCKET_IFNAME={name}: this machine has no interface {one} with an address "
-                f"(it has {have}): name one of these, on each machine its own"
-            )
+    """GLOO_SOCKET_IFNAME naming no interface here with an address: one line, not Gloo's C++ exception."""
+    name, found = getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
+    for one in name.split(",") if name and found is not None else ():  # not listed here: Gloo will say
+        if not found.get(one):
+            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
+            sys.exit(f"error: GLOO_SOCKET_IFNAME={name}: this machine has no interface {one} with an address "
+                     f"(it has {have}): name one of these, on each machine its own")  # fmt: skip
 
 
 def interface_addresses():
-    """{interface or alias label: its addresses}, in the order glibc's getifaddrs(3) gives Gloo: IPv4 first.
-    None where this system cannot list them (no glibc; netlink blocked in a sandbox)."""
+    """{interface or alias label: its addresses}, IPv4 first as getifaddrs(3) gives them to Gloo. None where
+    they cannot be listed (no glibc; netlink blocked in a sandbox)."""
     head, found = ctypes.c_void_p(), {}
     with contextlib.suppress(OSError):  # no glibc: macOS, Windows
         libc = ctypes.CDLL("libc.so.6")
-        if libc.getifaddrs(ctypes.byref(head)) == 0:  # -1 where netlink is missing or blocked
+        if libc.getifaddrs(ctypes.byref(head)) == 0:
             at = head.value
             while at:  # struct ifaddrs: next, name, flags (a pointer's room), address (struct sockaddr *)
                 at, name, _, sockaddr = (ctypes.c_void_p * 4).from_address(at)
                 held = found.setdefault(ctypes.string_at(name).decode(), [])
                 family = sockaddr and ctypes.c_ushort.from_address(sockaddr).value
-                if family == socket.AF_INET:  # struct sockaddr_in: family, port, address
-                    held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + 4, 4)))
-                elif family == socket.AF_INET6:  # struct sockaddr_in6: family, port, flow label, address
-                    held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + 8, 16)))
+                # Where the address lies in struct sockaddr_in (after family and port), sockaddr_in6
+                if spot := {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family):
+                    held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + spot[0], spot[1])))
             libc.freeifaddrs(head)
             return found
     return None
@@ -499,8 +486,8 @@ def interface_addresses():
 
 @contextlib.contextmanager
 def gloo_failures(store, rank, args):
-    """A group Gloo cannot connect is one line on every machine, and the processes still waiting stop too.
-    Gloo's C++ log of each failed connection (no setting silences it) is held back, written out on success."""
+    """A group Gloo cannot connect is one line on every machine; Gloo's C++ log of each failed connection (no
+    setting silences it) is held back, written out on success."""
     sys.stderr.flush()
     real = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -510,9 +497,8 @@ def gloo_failures(store, rank, args):
                 yield
         except RuntimeError as e:  # its line goes out once fd 2 is back
             abort_job(store, rank, args, (
-                f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the "
-                "machines reach each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the "
-                "interface that does"
+                f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines "
+                "reach each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the one that does"
             ))  # fmt: skip
         finally:
             os.dup2(real, 2)

@@ -384,40 +384,28 @@ def start_method():
 
 
 def select_device(local_rank):
-    """This process's GPU, made current for NCCL to bind the rank to. A process given one GPU of its own (srun
-    --gpus-per-task=1) sees it as cuda:0; more processes than GPUs share (one_gpu_each stops them)."""
-    local_rank %= torch.cuda.device_count()
+    """This process's GPU, made current for NCCL to bind the rank to."""
+    local_rank %= torch.cuda.device_count()  # srun --gpus-per-task=1 shows a task its one GPU as cuda:0
     torch.cuda.set_device(local_rank)
-    # TF32 matrix products, as cuDNN's convolutions by default: 10 mantissa bits beat the gradients' noise.
-    torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high")  # TF32, as cuDNN's convolutions: finer than gradients' noise
     return torch.device("cuda", local_rank)
 
 
 def one_gpu_each(store, rank, world_size, args):
-    """Stop every process in one line where two ranks share a GPU, before NCCL fails there obscurely
-    ("Duplicate GPU detected"). Each rank says which GPU it took; rank 0 compares them."""
+    """Two ranks on one GPU stop in one line, not NCCL's obscure "Duplicate GPU detected". The UUID tells GPUs
+    apart where each process sees its own as cuda:0; without one, no check."""
     index = torch.cuda.current_device()
-    # The UUID tells GPUs apart where each process sees its own as cuda:0; without one, there is no check.
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")) or None
-    store.set(f"gpu/{rank}", json.dumps([socket.gethostname(), gpu, index]))
-    if rank == 0:
-        seen, line = {}, ""
-        for r in range(world_size):  # every rank has joined (the roll call, or torchrun's): its key is there
-            taken = from_json(raw := store.get(f"gpu/{r}"))
-            kinds = [type(v) for v in taken] if isinstance(taken, list) else None
-            if kinds not in ([str, str, int], [str, type(None), int]):  # host, UUID, index
-                abort_job(store, rank, args, bad_value(rank, f"gpu/{r}", raw, args))
-            first, index = seen.setdefault((taken[0], taken[1] or r), (r, taken[2]))  # no UUID: no check
-            if first != r:
-                line = (
-                    f"error: ranks {first} and {r} share one GPU (cuda:{index} on {taken[0]}): NCCL needs "
-                    "one GPU per process: start at most one process per GPU, and give each its own (a "
-                    "launcher's local rank, or CUDA_VISIBLE_DEVICES)"
-                )
-                break
-        store.set("gpus", line)
-    if line := store.get("gpus").decode(errors="replace")[:2000]:
-        abort_job(None, rank, args, line)
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    host, mine = socket.gethostname(), str(rank).encode()
+    # The first rank to claim the GPU holds its key; a second stops the job (the others at their next wait).
+    if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
+        if not first.isdigit():  # the store is unauthenticated
+            abort_job(store, rank, args, bad_value(rank, key, first, args))
+        low, high = sorted((int(first), rank))
+        abort_job(store, rank, args, (
+            f"error: ranks {low} and {high} share one GPU (cuda:{index} on {host}): NCCL needs one per "
+            "process: give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+        ))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -429,18 +417,17 @@ def nccl_failures(store, rank, args):
     except RuntimeError as e:
         abort_job(store, rank, args, (
             f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines "
-            "reach each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the interface that does"
+            "reach each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the one that does"
         ))  # fmt: skip
 
 
 def averaging_words(allreduce, args):
-    """How the gradients are averaged, for the layout line: by NCCL, or over Gloo where tests run on CPUs."""
+    """For the layout line: by NCCL, or over Gloo where tests run on CPUs."""
     return ("by NCCL" if allreduce == "nccl" else "over Gloo") + compression_words(args.compress)
 
 
 def keep_nccl_on_loopback(world_size, args):
-    """On one machine, NCCL's unauthenticated bootstrap listens on loopback, not the first interface it finds:
-    the GPUs talk over NVLink, PCIe or shared memory. NCCL_SOCKET_IFNAME set by the user wins."""
+    """On one machine, NCCL's unauthenticated bootstrap listens on loopback; NCCL_SOCKET_IFNAME given wins."""
     if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
 
@@ -449,7 +436,7 @@ def match_gradient_strides(model):
     """Hand DDP each gradient in its parameter's strides: cuDNN gives conv1's weight gradient another stride
     on its size-1 dimension; DDP would warn ("Grad strides do not match bucket view strides") and copy it."""
 
-    def restated(grad, p):  # in p's strides where each element keeps its offset: only size-1 dims' differ
+    def restated(grad, p):  # only size-1 dimensions' strides differ: each element keeps its offset
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
         return grad.as_strided(p.shape, p.stride()) if same else grad
 
