@@ -171,7 +171,7 @@ def train(model, optimizer, data, args):
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
     model.train()
-    loss_sum = torch.zeros(())
+    loss_sum, n = torch.zeros(()), len(batches)
     for i, idx in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
             loss = F.nll_loss(model(to_input(images[idx], args.dataset)), labels[idx])
@@ -180,20 +180,16 @@ def train_epoch(model, optimizer, images, labels, batches, epoch, args):
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            progress = f"[{i}/{len(batches)} ({100 * i / len(batches):.0f}%)]"
+            progress = f"[{i}/{n} ({100 * i / n:.0f}%)]"
             print(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}", flush=True)
-    return loss_sum / len(batches)
+    return loss_sum / n
 
 
 def evaluate(model, images, labels, args):
     model.eval()
-    loss_sum = correct = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
-        for x, y in zip(images.split(TEST_BATCH_SIZE), labels.split(TEST_BATCH_SIZE)):
-            output = model(to_input(x, args.dataset))
-            loss_sum += F.nll_loss(output, y, reduction="sum").item()
-            correct += (output.argmax(1) == y).sum().item()
-    return loss_sum / len(labels), correct / len(labels)
+        output = torch.cat([model(to_input(x, args.dataset)) for x in images.split(TEST_BATCH_SIZE)])
+        return F.nll_loss(output, labels).item(), (output.argmax(1) == labels).sum().item() / len(labels)
 
 
 def plural(n, word):
@@ -474,7 +470,7 @@ def exit_at_once(status=0):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # a failure's one line, a signal's exit status
+    except SystemExit as e:
         exit_at_once(e.code)
     except Exception:  # a bug: its traceback, then out at once all the same
         traceback.print_exc()
