@@ -134,8 +134,8 @@ def train(model, optimizer, data, args):
     train_images, train_labels, test_images, test_labels = data
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     threads = plural(args.threads, "thread") + (args.threads_from and f", from {args.threads_from}")
-    print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging", flush=True)
-    seconds, history, count, train_loss = 0.0, [], len(test_labels), None
+    print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging")
+    seconds, history, train_loss, n_test = 0.0, [], None, len(test_labels)
     for epoch in range(start_epoch, args.epochs):
         torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken one
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
@@ -144,10 +144,10 @@ def train(model, optimizer, data, args):
         seconds += time.perf_counter() - start
         loss, accuracy = evaluate(model, test_images, test_labels, args)
         release_freed_memory()
-        correct = f"{round(accuracy * count)}/{count} ({100 * accuracy:.2f}%)"
+        correct = f"{round(accuracy * n_test)}/{n_test} ({accuracy:.2%})"
         print(f"Test set, epoch {epoch}: average loss {loss:.4f}, accuracy {correct}")
         history.append(dict(epoch=epoch, train_loss=train_loss, test_loss=loss, test_accuracy=accuracy))
-        if args.checkpoint:  # whole or not at all
+        if args.checkpoint:
             state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
             state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
             if error := write_atomically(args.checkpoint, functools.partial(torch.save, state)):
@@ -162,41 +162,34 @@ def train(model, optimizer, data, args):
     metrics.update(epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size, amp=args.amp)
     metrics.update(global_batch_size=args.batch_size, threads=args.threads, train_seconds=seconds)
     metrics.update(total_seconds=total, samples_per_second=speed, test_loss=loss, test_accuracy=accuracy)
-    metrics.update(final_train_loss=train_loss, test_samples=count)
-    metrics.update(peak_rss_mib=peak_memory_mib(), history=history)
-    text = json.dumps(metrics, indent=2) + "\n"
+    metrics.update(final_train_loss=train_loss, test_samples=n_test, peak_rss_mib=peak_memory_mib())
+    text = json.dumps(dict(metrics, history=history), indent=2) + "\n"
     if args.metrics_json and (error := write_atomically(args.metrics_json, lambda f: f.write(text.encode()))):
         sys.exit(error)
     print(f"Finished training in {seconds:.2f} secs")
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
-    """One pass over the batches; returns the mean training loss (a tensor)."""
     model.train()
-    loss_sum = torch.zeros(())
+    loss_sum, n = torch.zeros(()), len(batches)
     for i, idx in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
             loss = F.nll_loss(model(to_input(images[idx], args.dataset)), labels[idx])
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            progress = f"[{i}/{len(batches)} ({100 * i / len(batches):.0f}%)]"
+            progress = f"[{i}/{n} ({100 * i / n:.0f}%)]"
             print(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}", flush=True)
-    return loss_sum / len(batches)
+    return loss_sum / n
 
 
 def evaluate(model, images, labels, args):
-    """Mean loss and accuracy over the whole test set."""
     model.eval()
-    loss_sum = correct = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
-        for x, y in zip(images.split(TEST_BATCH_SIZE), labels.split(TEST_BATCH_SIZE)):
-            output = model(to_input(x, args.dataset))
-            loss_sum += F.nll_loss(output, y, reduction="sum").item()
-            correct += (output.argmax(1) == y).sum().item()
-    return loss_sum / len(labels), correct / len(labels)
+        output = torch.cat([model(to_input(x, args.dataset)) for x in images.split(TEST_BATCH_SIZE)])
+        return F.nll_loss(output, labels).item(), (output.argmax(1) == labels).sum().item() / len(labels)
 
 
 def plural(n, word):
@@ -216,8 +209,7 @@ def peak_memory_mib():
 def resume(model, optimizer, args):
     """Load --checkpoint into model and optimizer; returns the epoch to start from."""
     try:
-        state = read_checkpoint(args)
-        if state is None:
+        if (state := read_checkpoint(args)) is None:
             print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
             return 0
         model.load_state_dict(state["model"])
@@ -280,11 +272,12 @@ def parse_args(argv=None):
             parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    try:  # threads_from: what capped them, for the layout line
-        args.threads, args.threads_from = (args.threads, "") if args.threads else default_threads()
+    omp = getenv("OMP_NUM_THREADS", "")
+    args.threads, args.threads_from = (args.threads, "") if args.threads or omp else usable_cores()
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0])
     except (ValueError, argparse.ArgumentTypeError):
-        omp = f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a count of threads"
-        parser.error(f"{omp} (such as 4, or 4,2 per nesting level): fix it, or pass --threads")
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
     return args
 
 
@@ -302,19 +295,18 @@ def build_parser():
     def add(flag, help, **options):  # two words take the article's spelling too: --batch_size
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
-    add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1, metavar="N")
-    add("--batch-size", "images per batch (default: 128)", type=positive_int, default=128, metavar="N")
-    add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5, metavar="LR")
-    add("--seed", "random seed (default: 0)", type=int, default=0, metavar="N")
+    add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1)
+    add("--batch-size", "images per batch (default: 128)", type=positive_int, default=128)
+    add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
+    add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder, torchvision's layout (default: ./data)", default="./data", metavar="DIR")
-    add("--log-interval", "batches per log line (default: 10)", type=positive_int, default=10, metavar="N")
-    threads = "intra-op threads (default: OMP_NUM_THREADS if set, else every usable core)"
-    add("--threads", threads, type=positive_int, metavar="N")
+    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", default="./data")
+    add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
+    add("--threads", "intra-op threads (default: OMP_NUM_THREADS, else the usable cores)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
-    add("--resume", "continue from --checkpoint where it exists (default: off)", action="store_true")
-    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
+    add("--checkpoint", "save model and optimizer here after every epoch (default: none)")
+    add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
+    add("--metrics-json", "write the run's figures here as JSON (default: none)")
     return p
 
 
@@ -328,12 +320,6 @@ def positive_float(text):
     if not (value := float(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
     return value
-
-
-def default_threads():
-    """Intra-op threads and what capped them: OMP_NUM_THREADS (of 4,2 the outer 4), else usable cores."""
-    omp = getenv("OMP_NUM_THREADS")
-    return (positive_int(omp.split(",")[0]), "") if omp else usable_cores()
 
 
 def getenv(name, default=None):
@@ -484,7 +470,7 @@ def exit_at_once(status=0):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # a failure's one line, a signal's exit status
+    except SystemExit as e:
         exit_at_once(e.code)
     except Exception:  # a bug: its traceback, then out at once all the same
         traceback.print_exc()

@@ -31,8 +31,8 @@ from convnet_undistributed import (
     DATASETS,
     TEST_BATCH_SIZE,
     ConvNet,
-    default_threads,
     keep_pool_gradient_channels_last,
+    parse_args,
     peak_memory_mib,
     prepare_data,
 )
@@ -109,7 +109,8 @@ def evaluate(model, loader, device):
 
 def main():
     args = build_parser().parse_args()
-    torch.set_num_threads(args.threads or default_threads()[0])
+    # The baseline's default: OMP_NUM_THREADS if set, else every usable core
+    torch.set_num_threads(args.threads or parse_args(["--data-dir", args.data_dir]).threads)
     train_set, test_set = datasets_for(args)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
