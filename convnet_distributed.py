@@ -869,23 +869,15 @@ def torchrun_attempt():
 # ---- S3. The roll call: one job, one decision --------------------------------------------------------------
 
 
-# What changes the computation or travels between processes agrees on every machine (the first four: the
-# layout). Rank 0's files follow its command alone; the rest are each machine's own.
+# Flags that must agree on every machine (the first four: the layout), rank 0's alone, each machine's own.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size",
              "epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model",
              "backend")  # fmt: skip
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
-FIXES = {  # what to do where the machines disagree on these (else: the same flags on every machine)
-    "model": "run one copy of the script on every machine",
-    "torch": "install one torch version on every machine",
-    "backend": "run one script on every machine: the CPU one, or the GPU one",
-    "the layout": "start every machine with the same --num-machines and processes per machine",
-}
 
 
 def job_record(args, **decided):
-    """The job as decided: this command's flags (args, never changed), with what the launch decided."""
     return argparse.Namespace(**{**vars(args), **decided})
 
 
@@ -893,118 +885,87 @@ def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
+
+    def stop(line):  # every process, until the job is ready; then this one alone
+        abort_job(None if store.check(["ready"]) else store, rank, args, line)
+
+    def read(raw, owner=None):  # a record, checked: the store is unauthenticated
+        found = from_json(raw)
+        if is_record(found) and owner in (None, found["rank"]):
+            return found
+        if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
+            stop(f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another "
+                 f"version of {os.path.basename(__file__)}: copy one script to every machine")  # fmt: skip
+        stop(bad_value(rank, "a record", raw, args))
+
     try:
-        job = me if rank == 0 else read_record(store, rank, args, store.get("job"), me)  # 0 trusts its own
+        job = me if rank == 0 else read(store.get("job"))
         if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
             time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
             sys.exit(1)
-        check_agreement(store, rank, args, job, me)
+        check_agreement(job, me, stop, rank, args)
         # Rank 0 claims the job before any other process reads it: a second rank 0 finds the first there.
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
-                first = read_record(store, rank, args, held, me)
-                abort_job(job_store(store), rank, args, claimed_twice(rank, first, me, args))
+                stop(claimed_twice(rank, read(held), me, args))
         while not store.check(["ready"]):
             if store.check(["abort"]):
                 abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
             if rank == 0 and store.check(keys):
-                records = [read_record(store, 0, args, store.get(key), me, r) for r, key in enumerate(keys)]
+                records = [read(store.get(key), r) for r, key in enumerate(keys)]
                 store.set("ready", json.dumps(count_machines(records, args)))
             elif rank == 0 and time.monotonic() > deadline:
+                joined, last = sum(store.check([k]) for k in keys), args.num_machines - 1
                 abort_job(store, rank, args, (
-                    f"error: only {sum(store.check([k]) for k in keys)} of {world_size} processes joined "
-                    f"within --timeout {args.timeout:g} s: start every machine (--num-machines "
-                    f"{args.num_machines}, --machine-id 0 to {args.num_machines - 1}) with the same "
-                    "--master-addr and --master-port"))  # fmt: skip
+                    f"error: only {joined} of {world_size} processes joined within --timeout "
+                    f"{args.timeout:g} s: start every machine (--num-machines {last + 1}, --machine-id 0 to "
+                    f"{last}) with the same --master-addr and --master-port"))  # fmt: skip
             time.sleep(0.1)
-        ready = store.get("ready")
+        machine_of = from_json(ready := store.get("ready"))
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    machine_of = from_json(ready)  # machines numbered 0, 1, ... in the order of their first rank
-    tops = itertools.accumulate(machine_of, max, initial=-1) if isinstance(machine_of, list) else ()
-    if not (
-        isinstance(machine_of, list)
-        and len(machine_of) == world_size
-        and all(type(m) is int and 0 <= m <= top + 1 for top, m in zip(tops, machine_of))
-    ):
+    index = {}  # numbered as count_machines numbers them: 0, 1, ... in the order of their first rank
+    ok = isinstance(machine_of, list) and len(machine_of) == world_size
+    if not (ok and all(type(m) is int and index.setdefault(m, len(index)) == m for m in machine_of)):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
-    sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
-    layout = dict(
-        machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes
-    )
-    # Rank 0's command alone names the job's files: each other machine warns once of its own, unused.
-    unused = ", ".join(flag_words(k, v) for k, v in me["files"].items() if v and v != job["files"].get(k))
-    if unused and layout["machine_id"] != 0 and local_rank_of(rank, job_record(args, **layout)) == 0:
-        print(f"warning: machine {layout['machine_id']} ({me['host']}): {unused} not used here: rank 0 reads "
-              "and writes the job's files, as machine 0's command says", file=sys.stderr)  # fmt: skip
-    return layout
-
-
-def job_store(store):
-    """The store through which a mistake stops every process; None once the job is ready: nothing stops it."""
-    return None if store.check(["ready"]) else store
+    sizes = [machine_of.count(m) for m in index]
+    return dict(machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes),
+                machine_sizes=sizes)  # fmt: skip
 
 
 def roll_call_record(rank, world_size, args):
-    """What a process says of itself at the roll call; in "job", what must agree across the job."""
     layout = JOB_FLAGS[1:4] if args.rank is not None else ()  # a launcher's may vary processes per machine
-    facts = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
+    job = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
     with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
         model = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
+    job.update(world_size=world_size, torch=torch.__version__.split("+")[0], model=model,
+               backend=f"{BACKEND} ({os.path.basename(__file__)})")  # fmt: skip
     with open(__file__, "rb") as f:
         script = hashlib.sha256(f.read()).hexdigest()[:12]
-    facts.update(world_size=world_size, torch=torch.__version__.split("+")[0], model=model,
-                 backend=f"{BACKEND} ({os.path.basename(__file__)})")  # fmt: skip
-    return {
-        "rank": rank, "machine": args.machine_id, "host": socket.gethostname(), "pid": os.getpid(),
-        "box": machine_identity(), "launch": args.launch_id, "launcher": args.launcher,
-        "job": facts, "files": {k: getattr(args, k) for k in RANK0_FLAGS}, "script": script,
-    }  # fmt: skip
-
-
-def read_record(store, rank, args, raw, me, owner=None):
-    """A record from the store, checked: another version's, or garbage, is one line on every machine."""
-    found = from_json(raw)
-    if is_record(found) and owner in (None, found["rank"]):
-        return found
-    line = bad_value(rank, "a record", raw, args)
-    if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
-        line = (
-            f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another version "
-            f"of {os.path.basename(__file__)}, whose roll call this one cannot read: copy one script to "
-            "every machine"
-        )
-    abort_job(job_store(store), rank, args, line)
+    return dict(rank=rank, machine=args.machine_id, host=socket.gethostname(), pid=os.getpid(),
+                box=machine_identity(), launch=args.launch_id, launcher=args.launcher, job=job,
+                script=script)  # fmt: skip
 
 
 def is_record(found):
-    """A record's keys and types, checked before use: the store is unauthenticated."""
     types = dict(rank=int, machine=int, pid=int, host=str, box=str, launch=str | None, launcher=str | None,
-                 job=dict, files=dict, script=str)  # fmt: skip
-    return (
-        isinstance(found, dict)
-        and all(isinstance(found.get(k), t) for k, t in types.items())
-        and type(found["rank"]) is int
-        and isinstance(found["job"].get("model", []), list)
-    )
+                 job=dict, script=str)  # fmt: skip
+    ok = isinstance(found, dict) and all(k in found and isinstance(found[k], t) for k, t in types.items())
+    return ok and isinstance(found["job"].get("model", []), list)
 
 
 def from_json(raw):
-    """raw parsed as JSON, or None where it is no JSON of a sensible size."""
     with contextlib.suppress(ValueError, RecursionError):
         return json.loads(raw) if len(raw) < 1 << 16 else None
 
 
 def bad_value(rank, key, raw, args):
-    return (
-        f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which no "
-        f"process of this job wrote: another program uses {args.master_addr}:{args.master_port}; "
-        "choose another --master-port"
-    )
+    return (f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which another "
+            "program wrote: choose another --master-port")  # fmt: skip
 
 
 def machine_identity():
-    """Tells machines apart where no launcher numbers them (MPI): host name, boot id and network namespace."""
+    """Tells machines apart under MPI (host names may repeat): host name, boot id, network namespace."""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         return f"{socket.gethostname()} {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
     return socket.gethostname()
@@ -1012,13 +973,14 @@ def machine_identity():
 
 def flag_words(key, value=True):
     """A flag as a user says it: --lr 0.5, --amp, no --amp, world size 4; given no value, its name."""
-    spoken = key in ("world_size", "torch", "backend")  # no flag: said in words
-    name = key.replace("_", " ") if spoken else "--" + key.replace("_", "-")
+    name = "--" + key.replace("_", "-")
+    if key in ("world_size", "torch", "backend"):
+        name = key.replace("_", " ")
     return name if value is True else f"no {name}" if value is False else f"{name} {value}"
 
 
-def check_agreement(store, rank, args, job, me):
-    """Stop where the job's flags, model, torch or backend differ from ours: alone if it is another job."""
+def check_agreement(job, me, stop, rank, args):
+    """Stops where flags, model, torch or backend differ: every process, or this one if another job's."""
     facts = job["job"], me["job"]
     differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
     if not differ:
@@ -1027,19 +989,17 @@ def check_agreement(store, rank, args, job, me):
     if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
         abort_job(None, rank, args, (
             f"error: {args.master_addr}:{args.master_port} is another job's rendezvous (rank 0 on "
-            f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another --master-port "
-            "for this job"))  # fmt: skip
-    what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else ", ".join(map(flag_words, differ))
-    if "model" in differ:  # the first parameter that differs, not all of them
-        models = facts[0]["model"], facts[1]["model"]
-        at = next(i for i in itertools.count() if models[0][i : i + 1] != models[1][i : i + 1])
-        theirs, ours = (", ".join(map(str, m[at : at + 1])) or "fewer parameters" for m in models)
-        what = "the model"
-    key = next((k for k in ("model", "backend") if k in differ), what)
-    fix = FIXES.get(key, f"start every machine with the same {what}")
-    abort_job(job_store(store), rank, args, (
-        f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; "
-        f"machine {me['machine']} ({me['host']}) has {ours}: {fix}"))  # fmt: skip
+            f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another "
+            "--master-port"))  # fmt: skip
+    flags = ", ".join(map(flag_words, differ))
+    what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else flags
+    if "model" in differ:  # its first parameter that differs
+        pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="fewer parameters")
+        what, (theirs, ours) = "the model", next(p for p in pairs if p[0] != p[1])
+    fixes = dict(model="run one script", backend="run one script", torch="install one torch version")
+    fix = next((fixes[k] for k in fixes if k in differ), f"use the same {flags}")
+    stop(f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; machine "
+         f"{me['machine']} ({me['host']}) has {ours}: {fix} on every machine")  # fmt: skip
 
 
 def count_machines(records, args):
@@ -1049,31 +1009,33 @@ def count_machines(records, args):
     others = [(m, r["host"]) for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]]
     for m, host in dict.fromkeys(others):  # one warning per machine
         print(f"warning: machine {m} ({host}) runs another {os.path.basename(__file__)} than machine 0 "
-              f"({records[0]['host']}): its flags, model and torch agree, so the job goes on; copy one "
-              "script to every machine to be sure they compute the same", file=sys.stderr)  # fmt: skip
+              f"({records[0]['host']}): copy one script to every machine", file=sys.stderr)  # fmt: skip
     return machine_of
 
 
 def rank0_files(args):
-    """Which files rank 0 saves or resumes, for every rank to follow: over the group, not the open store."""
-    said = [{k: bool(getattr(args, k)) for k in RANK0_FLAGS}]
-    dist.broadcast_object_list(said, src=0)
-    return {} if dist.get_rank() == 0 else said[0]
+    """Rank 0's file flags, for the others to follow; each other machine warns once of its own, unused."""
+    mine = {k: getattr(args, k) for k in RANK0_FLAGS}
+    said = [mine]
+    dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
+    unused = ", ".join(flag_words(k, v) for k, v in mine.items() if v and v != said[0][k])
+    if unused and args.machine_id != 0 and local_rank_of(dist.get_rank(), args) == 0:
+        print(f"warning: machine {args.machine_id} ({socket.gethostname()}): {unused} not used here: machine "
+              "0's command names the job's files", file=sys.stderr)  # fmt: skip
+    return {} if dist.get_rank() == 0 else {k: bool(v) for k, v in said[0].items()}
 
 
 def claimed_twice(rank, first, second, args):
-    """The line for a rank claimed twice: a copied --machine-id, or a launcher's rank given twice."""
-    return (
-        f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid "
-        f"{first['pid']}) and from machine {second['machine']} on {second['host']} (pid {second['pid']}): "
-        f"give each machine its own --machine-id, 0 to {args.num_machines - 1}, and each process its own rank"
-    )
+    return (f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid "
+            f"{first['pid']}) and from machine {second['machine']} on {second['host']} (pid "
+            f"{second['pid']}): give each machine its own --machine-id, 0 to {args.num_machines - 1}, and "
+            "each process its own rank")  # fmt: skip
 
 
 def check_same_data(data, rank, args):
-    """All machines train on the same data, or all stop (a differing copy still parses). A collective."""
-    hashes = local_rank_of(rank, args) == 0  # once per machine
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data if hashes]
+    """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
+    once = local_rank_of(rank, args) == 0  # once per machine
+    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), mine))
     names = ("training images", "training labels", "test images", "test labels")

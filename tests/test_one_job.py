@@ -163,14 +163,13 @@ def test_the_cpu_script_and_the_gpu_script_in_one_job_stop_naming_the_backend(da
 
 
 def an_older_script(tmp_path):
-    """A copy of the script as an older version wrote its roll-call record: without 'launcher' and 'files'."""
+    """A copy of the script as an older version wrote its roll-call record: without 'launcher'."""
     folder = tmp_path / "old"
     folder.mkdir()
     text = open(os.path.join(REPO, "convnet_distributed.py")).read()
-    record = '"launch": args.launch_id, "launcher": args.launcher,'
-    files = '"files": {k: getattr(args, k) for k in RANK0_FLAGS},'
-    assert record in text and files in text
-    text = text.replace(record, '"launch": args.launch_id,').replace(files, "")
+    record = "launch=args.launch_id, launcher=args.launcher,"
+    assert record in text
+    text = text.replace(record, "launch=args.launch_id,")
     (folder / "convnet_distributed.py").write_text(text)
     return folder / "convnet_distributed.py"
 
