@@ -378,12 +378,10 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR if set, else 127.0.0.1)", type=host)
     add("--master-port", "machine 0's free TCP port (default: MASTER_PORT if set, else a free port for a job "
         "on one machine, 8892 across machines)", type=port_number)
-    add("--allreduce", "auto: average the gradients in shared memory where every process is on this machine "
-        "(Linux on x86-64), else over Gloo; gloo: always over Gloo (default: auto)", choices=["auto", "gloo"],
-        default="auto")
-    add("--compress", "the gradients sent over the network, not in shared memory: bf16 halves the bytes, "
-        "powersgd sends a low-rank approximation, 1/15 of them, for slow links (default: none)",
-        choices=["none", "bf16", "powersgd"], default="none")
+    add("--allreduce", "auto: average in shared memory where every process is on this machine (Linux x86-64),"
+        " else over Gloo; gloo: always over Gloo (default: auto)", choices=["auto", "gloo"], default="auto")
+    add("--compress", "gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
+        "approximation, 1/15 of them (default: none)", choices=["none", "bf16", "powersgd"], default="none")
     add("--timeout", "seconds a process waits for its peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, print each machine's host, Gloo interface and processes, "
         "and exit: a check before a long job (default: off)", action="store_true")
@@ -392,7 +390,7 @@ def build_parser():
 
 
 def processes_flag():
-    """The flag for the processes on this machine, and what it is where nothing says (fill_layout)."""
+    """The flag for the processes on this machine, and its default."""
     return "num_processes", 1
 
 
@@ -403,8 +401,8 @@ def placement(args, local_rank):
 
 
 def start_method():
-    """fork on Linux: a worker starts at once, with the launcher's imports and data (safe: the launcher has no
-    thread pool, process group, store or thread yet). spawn elsewhere: macOS's libraries are not fork-safe."""
+    """fork on Linux: a worker starts at once with the launcher's data (it has no threads yet to break); spawn
+    elsewhere: macOS's libraries are not fork-safe."""
     return "fork" if sys.platform.startswith("linux") else "spawn"
 
 

@@ -361,9 +361,8 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR if set, else 127.0.0.1)", type=host)
     add("--master-port", "machine 0's free TCP port (default: MASTER_PORT if set, else a free port for a job "
         "on one machine, 8892 across machines)", type=port_number)
-    add("--compress", "the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-        "approximation, 1/15 of them, for slow links (default: none)", choices=["none", "bf16", "powersgd"],
-        default="none")
+    add("--compress", "gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
+        "approximation, 1/15 of them (default: none)", choices=["none", "bf16", "powersgd"], default="none")
     add("--timeout", "seconds a process waits for its peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group as a real run would, average once and exit: a check before a long job "
         "(default: off)", action="store_true")
@@ -372,7 +371,7 @@ def build_parser():
 
 
 def processes_flag():
-    """The flag for the processes on this machine, and what it is where nothing says (fill_layout)."""
+    """The flag for the processes on this machine, and its default."""
     return "num_gpu_processes", max(1, torch.cuda.device_count())
 
 
