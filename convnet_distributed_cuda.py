@@ -475,8 +475,7 @@ def match_gradient_strides(model):
 
 # Launchers that start the processes themselves, the first whose rank, world size and local rank are set
 # winning (torchrun and mpirun pass SLURM's on): the variables of rank, world size, local rank, local size,
-# machine and machines (-: none, so local rank 0 of 1, machine rank // local size, by host under MPI), those
-# naming one launch (only srun's tasks have SLURM_STEP_*), and its command, for a flag it contradicts.
+# machine and machines (-: none), those naming one launch (srun's tasks alone have SLURM_STEP_*), the command.
 LAUNCHERS = {
     "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID",
                  "torchrun"),
@@ -1496,12 +1495,9 @@ def complete_args(parser, args):
     try:
         args.threads = args.threads or (positive_int(omp) if omp else max(1, cores // processes))
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(
-            f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads "
-            "(1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-        )
-    # Processes on each machine: the flags say so; under a launcher the roll call counts them.
-    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None
+        omp = f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a count of threads"
+        parser.error(f"{omp} (such as 4, or 4,2 per nesting level): fix it, or pass --threads")
+    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None  # a launcher's: the roll call
 
 
 class Parser(argparse.ArgumentParser):
@@ -1536,8 +1532,8 @@ def host(text):
 
 
 def usable_cores():
-    """The cores this process may use, and what capped them ("" where nothing did): its affinity (Linux), a
-    cgroup's CPU quota, or SLURM_CPUS_PER_TASK (which SLURM's task/none does not enforce)."""
+    """Cores this process may use, and what capped them ("" where nothing did): SLURM_CPUS_PER_TASK too, as
+    SLURM's task/none does not pin a task to them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -1555,8 +1551,7 @@ def cgroup_cpus():
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    text = "".join(open(f"{folder}/{name}").read() for name in files)
-                    quota, period = map(int, text.split())
+                    quota, period = map(int, "".join(open(f"{folder}/{n}").read() for n in files).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
