@@ -354,9 +354,8 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR if set, else 127.0.0.1)", type=host)
     add("--master-port", "machine 0's free TCP port (default: MASTER_PORT if set, else a free port for a job "
         "on one machine, 8892 across machines)", type=port_number)
-    add("--compress", "the gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-        "approximation, 1/15 of them, for slow links (default: none)", choices=["none", "bf16", "powersgd"],
-        default="none")
+    add("--compress", "gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
+        "approximation, 1/15 of them (default: none)", choices=["none", "bf16", "powersgd"], default="none")
     add("--timeout", "seconds a process waits for its peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group as a real run would, average once and exit: a check before a long job "
         "(default: off)", action="store_true")
@@ -365,7 +364,7 @@ def build_parser():
 
 
 def processes_flag():
-    """The flag for the processes on this machine, and what it is where nothing says (fill_layout)."""
+    """The flag for the processes on this machine, and its default."""
     return "num_gpu_processes", max(1, torch.cuda.device_count())
 
 
@@ -454,36 +453,33 @@ def match_gradient_strides(model):
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 
 
-# Launchers that start the processes themselves, the first whose rank, world size and local rank variables
-# are set winning (torchrun and mpirun pass SLURM's on): the variables of rank, world size, local rank, local
-# size, machine and machines (None: local rank 0 of 1, machine rank // local size, found by host under MPI),
-# those naming one launch, and the fix for a flag they contradict. Only srun's tasks have SLURM_STEP_*.
+# Launchers that start the processes themselves, the first whose rank, world size and local rank are set
+# winning (torchrun and mpirun pass SLURM's on): the variables of rank, world size, local rank, local size,
+# machine and machines (-: none), those naming one launch (srun's tasks alone have SLURM_STEP_*), the command.
 LAUNCHERS = {
-    "torchrun": (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", None),
-                 ("TORCHELASTIC_RUN_ID",), "give torchrun the same"),
-    "Open MPI": (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_SIZE", None, None), ("PMIX_NAMESPACE",), "give mpirun the same"),
-    "MPICH": (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None), (),
-              "give mpiexec the same"),  # and Intel MPI: both launch with Hydra
-    "MVAPICH": (("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-                 "MV2_COMM_WORLD_LOCAL_SIZE", None, None), (), "give mpirun the same"),
-    "SLURM": (("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE",
-               "SLURM_NODEID", "SLURM_STEP_NUM_NODES"), ("SLURM_JOB_ID", "SLURM_STEP_ID"),
-              "give srun the same"),
+    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID",
+                 "torchrun"),
+    "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
+                 "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE", "mpirun"),
+    "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", "", "mpiexec"),  # and Intel MPI: Hydra
+    "MVAPICH": ("MV2_COMM_WORLD_RANK MV2_COMM_WORLD_SIZE MV2_COMM_WORLD_LOCAL_RANK "
+                "MV2_COMM_WORLD_LOCAL_SIZE - -", "", "mpirun"),
+    "SLURM": ("SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID SLURM_STEP_TASKS_PER_NODE SLURM_NODEID "
+              "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID SLURM_STEP_ID", "srun"),
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
-    "RANK and WORLD_SIZE": (("RANK", "WORLD_SIZE", None, None, "RANK", "WORLD_SIZE"), (),
-                            "unset RANK and WORLD_SIZE"),
+    "RANK and WORLD_SIZE": ("RANK WORLD_SIZE - - RANK WORLD_SIZE", "", ""),
 }  # fmt: skip
 
 
 def fill_layout(parser, args):
-    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's
-    (LAUNCHERS), else one machine's (processes_flag). A flag the launcher contradicts fails."""
-    name = next((n for n, (v, _, _) in LAUNCHERS.items() if all(getenv(x) for x in v[:3] if x)), None)
-    variables, launch, fix = LAUNCHERS.get(name, ((None,) * 6, (), ""))
+    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's."""
+    found = (n for n, (v, _, _) in LAUNCHERS.items() if all(x == "-" or getenv(x) for x in v.split()[:3]))
+    name = next(found, None)
+    spec, launch, command = LAUNCHERS.get(name, ("- - - - - -", "", ""))
+    variables = spec.split()
 
     def number(variable, default, index=0):
-        text = getenv(variable) if variable else None
+        text = getenv(variable) if variable != "-" else None
         try:
             return default if text is None else int(text) if text.isdigit() else expand_counts(text)[index]
         except (ValueError, IndexError):
@@ -495,43 +491,34 @@ def fill_layout(parser, args):
     machine = rank // local_size if machine is None else machine
     machines = number(variables[5], -(-world_size // local_size))
     own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
-    mpi = name is not None and variables[4] is None  # no machine index: the roll call tells machines by host
-    who = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process, rank {rank} of {world_size})"
-    who = who if name == "RANK and WORLD_SIZE" else name
+    mpi = name is not None and variables[4] == "-"  # no machine index: the roll call tells machines by host
+    env = name == "RANK and WORLD_SIZE"
+    who = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process per launch)" if env else name
     addr, port = host(getenv("MASTER_ADDR", "")) or None, getenv("MASTER_PORT")
-    # Under env:// (RANK, WORLD_SIZE) the store is at MASTER_ADDR:MASTER_PORT: a flag must agree. Elsewhere
-    # they are defaults, as is srun's step's: its first node, and a port of its own (steps share nodes).
+    # env:// serves its store at MASTER_ADDR:MASTER_PORT: a flag must agree. Elsewhere they are defaults.
     said = {"master_addr": addr, "master_port": port} if variables[0] == "RANK" else {}
-    if name == "SLURM":
-        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
-        addr = addr or expand_hosts(nodes)[0]
+    if name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
+        addr = addr or first_host(getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost"))
         port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
     if mpi and machines > 1 and not (args.master_addr or addr):
-        parser.error(
-            f"{who} runs this job on {machines} machines: give machine 0's address as --master-addr or "
-            "MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0)"
-        )
+        fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
+        parser.error(f"{who} runs this job on {machines} machines: {fix}")
     processes, default_processes = processes_flag()
     if name is not None:
         said.update({"num_machines": machines, "machine_id": machine, processes: None if own else local_size})
-    # A job on one machine that this script starts takes a free port (claim_port); others must be told.
-    port = port or (0 if name is None and (args.num_machines or 1) == 1 else 8892)
+    port = port or (0 if name is None and (args.num_machines or 1) == 1 else 8892)  # 0: free (claim_port)
     defaults = {processes: default_processes, "num_machines": 1, "machine_id": 0}
     for key, default in {**defaults, "master_addr": addr or "127.0.0.1", "master_port": port}.items():
         given = getattr(args, key)
         if None not in (given, said.get(key)) and str(given) != str(said[key]):
-            parser.error(
-                f"--{key.replace('_', '-')} {given} disagrees with {who}, which set {said[key]}: "
-                f"drop the flag, or {fix}"
-            )
+            fix = f"give {command} the same" if command else "unset RANK and WORLD_SIZE"
+            flag = f"--{key.replace('_', '-')} {given}"
+            parser.error(f"{flag} disagrees with {who}, which set {said[key]}: drop the flag, or {fix}")
         setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
     try:  # MASTER_PORT, unchecked so far
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(
-            f"MASTER_PORT={args.master_port!r} in the environment is not a port number (1-65535): fix it, or "
-            "pass --master-port"
-        )
+        parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
     launched = name is not None and not own  # this process is one rank of the launcher's
     args.rank, args.local_rank = (rank, local_rank) if launched else (None, 0)
     args.world_size = world_size if launched else args.num_machines * getattr(args, processes)
@@ -541,31 +528,20 @@ def fill_layout(parser, args):
         "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own
         else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
-    ids = [getenv(v) for v in launch] if name else [socket.gethostname(), str(os.getpid()), str(LAUNCH_TIME)]
-    args.launch_id = "/".join(ids) if ids and None not in ids else None  # one launch's processes share it
+    ids = [getenv(v) for v in launch.split()] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
+    args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
 
 
-def expand_hosts(text):
-    """SLURM's host list in full (no scontrol): node[01-03,07],gpu1 is node01 node02 node03 node07 gpu1."""
-    hosts = []
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
-        brackets = re.search(r"\[([^\]]*)\]", item)
-        if brackets is None:
-            hosts.append(item)
-            continue
-        for part in brackets.group(1).split(","):
-            low, _, high = part.partition("-")
-            for n in range(int(low), int(high or low) + 1):  # zero-padded to the lower bound's width: 01
-                hosts += expand_hosts(f"{item[: brackets.start()]}{n:0{len(low)}d}{item[brackets.end() :]}")
-    return hosts
+def first_host(nodes):
+    """The first host of SLURM's compressed host list (no scontrol): of rack[07-08]-n[1-2],gpu1 rack07-n1."""
+    first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
+    return re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number, as written
 
 
 def expand_counts(text):
     """SLURM's compressed counts per node: 2(x3),1 is 2 2 2 1."""
-    counts = []
-    for count, _, times in (part.partition("(x") for part in text.split(",")):
-        counts += [int(count)] * int(times.rstrip(")") or 1)
-    return counts
+    parts = (part.rstrip(")").partition("(x") for part in text.split(","))
+    return [int(count) for count, _, times in parts for _ in range(int(times or 1))]
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
@@ -1409,12 +1385,9 @@ def complete_args(parser, args):
     try:
         args.threads = args.threads or (positive_int(omp) if omp else max(1, cores // processes))
     except (ValueError, argparse.ArgumentTypeError):
-        parser.error(
-            f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a number of threads "
-            "(1 or more, or a list per nesting level such as 4,2): fix it, or pass --threads"
-        )
-    # Processes on each machine: the flags say so; under a launcher the roll call counts them.
-    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None
+        omp = f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a count of threads"
+        parser.error(f"{omp} (such as 4, or 4,2 per nesting level): fix it, or pass --threads")
+    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None  # a launcher's: the roll call
 
 
 class Parser(argparse.ArgumentParser):
@@ -1449,8 +1422,8 @@ def host(text):
 
 
 def usable_cores():
-    """The cores this process may use, and what capped them ("" where nothing did): its affinity (Linux), a
-    cgroup's CPU quota, or SLURM_CPUS_PER_TASK (which SLURM's task/none does not enforce)."""
+    """Cores this process may use, and what capped them ("" where nothing did): SLURM_CPUS_PER_TASK too, as
+    SLURM's task/none does not pin a task to them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -1468,8 +1441,7 @@ def cgroup_cpus():
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    text = "".join(open(f"{folder}/{name}").read() for name in files)
-                    quota, period = map(int, text.split())
+                    quota, period = map(int, "".join(open(f"{folder}/{n}").read() for n in files).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 

@@ -348,8 +348,7 @@ def cgroup_cpus():
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    text = "".join(open(f"{folder}/{name}").read() for name in files)
-                    quota, period = map(int, text.split())
+                    quota, period = map(int, "".join(open(f"{folder}/{n}").read() for n in files).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 

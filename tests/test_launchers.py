@@ -266,11 +266,12 @@ def test_plain_rank_and_world_size_take_the_first_gpu_of_their_own(clean_env, mo
 
 
 def test_compressed_slurm_host_lists_and_counts_expand(clean_env):
-    expand = convnet_distributed.expand_hosts
-    assert expand("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
-    assert expand("gpu3,node[9-11],login") == ["gpu3", "node9", "node10", "node11", "login"]
-    assert expand("rack[1-2]-n[0-1]") == ["rack1-n0", "rack1-n1", "rack2-n0", "rack2-n1"]
-    assert expand("single") == ["single"]
+    """Machine 0 is the step's first node: of SLURM's compressed host list, its first host."""
+    first = convnet_distributed.first_host
+    assert first("node[01-04,07]") == "node01"
+    assert first("gpu3,node[9-11],login") == "gpu3" and first("node[9-11],login") == "node9"
+    assert first("rack[1-2]-n[0-1]") == "rack1-n0"
+    assert first("single") == "single"
     assert convnet_distributed.expand_counts("2(x3),1") == [2, 2, 2, 1]
 
 

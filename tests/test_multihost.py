@@ -809,7 +809,7 @@ def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
     assert unset.returncode == 2 and 1 <= len(said) <= 4, describe([unset])
     assert set(said) == {
         "convnet_distributed.py: error: Open MPI runs this job on 2 machines: give machine 0's address as "
-        "--master-addr or MASTER_ADDR on every rank (mpirun -x MASTER_ADDR=node0) (see --help)"
+        "--master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0) (see --help)"
     }, describe([unset])
     assert not (tmp_path / "unset.json").exists() and "epoch: " not in unset.stdout
     assert_namespaces_empty(network)
