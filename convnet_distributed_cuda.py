@@ -4,8 +4,9 @@
 Each machine runs this script once; it starts one worker per GPU, each training a copy of the model on its
 shard while DDP averages the gradients. --batch-size is per process: the global batch is it x world size.
     python convnet_distributed_cuda.py --batch-size 64
-Two machines, one launch each, both naming machine 0's address (here machine 0's launch):
+Two machines, one launch each, both naming machine 0's address:
     python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1
+    python convnet_distributed_cuda.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1
 Under torchrun, which starts the processes itself:
     torchrun --nproc-per-node 8 convnet_distributed_cuda.py
 Without a GPU, use convnet_distributed.py.
@@ -330,6 +331,8 @@ def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def add(flag, help, **options):  # a flag of two words takes the article's spelling too: --batch_size
+        if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
+            options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
     # fmt: off
@@ -339,14 +342,15 @@ def build_parser():
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
     add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", default="./data")
+    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", metavar="DIR",
+        default="./data")
     add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
     add("--threads", "intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
         "shared out between this machine's processes)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here after every epoch (default: none)")
+    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
     add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
-    add("--metrics-json", "write the run's figures here as JSON (default: none)")
+    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
     add("--num-machines", "machines in the job (default: 1)", type=positive_int)
     add("--num-gpu-processes", "processes on this machine, one per GPU, GPUs 0 to N-1 (default: every "
         "visible GPU)", type=positive_int)

@@ -293,6 +293,8 @@ def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def add(flag, help, **options):  # two words take the article's spelling too: --batch_size
+        if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
+            options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
     add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1)
@@ -300,13 +302,14 @@ def build_parser():
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
     add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", default="./data")
+    add("--data-dir", "data folder: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)", metavar="DIR",
+        default="./data")  # fmt: skip
     add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
     add("--threads", "intra-op threads (default: OMP_NUM_THREADS, else the usable cores)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here after every epoch (default: none)")
+    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
     add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
-    add("--metrics-json", "write the run's figures here as JSON (default: none)")
+    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
     return p
 
 
