@@ -1306,20 +1306,20 @@ def raw_folder(args):
 
 
 def resume(model, optimizer, args):
-    """Load --checkpoint; returns the epoch to start from. Rank 0 reads it (it may be on machine 0 alone) and
-    sends it, or why not, to every rank: an error stops them all."""
+    """Returns the epoch to start from. Rank 0 reads --checkpoint (it may be on machine 0 alone) and sends it,
+    or why not, to all: an error stops every rank."""
     try:
         sent = [read_checkpoint(args) if dist.get_rank() == 0 else None, None]
     except ValueError as e:
         sent = [None, str(e)]
     dist.broadcast_object_list(sent, src=0)
     state, error = sent
-    try:
-        if state:
+    if state:
+        try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error:
         sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
     if not state:
@@ -1327,20 +1327,20 @@ def resume(model, optimizer, args):
         return 0
     epoch, group = state["epoch"] + 1, optimizer.param_groups[0]
     print0(f"Resuming from {args.checkpoint}: epoch {epoch - 1} done, starting epoch {epoch}")
-    if group["lr"] != args.lr:  # load_state_dict restored the saved rate: --lr wins, as every flag does
+    if group["lr"] != args.lr:  # --lr wins over the saved rate, as every flag of a resumed run does
         print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
     group["lr"] = args.lr
     return epoch
 
 
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download into a folder of this
-    run's own and rename each into place: a shared --data-dir never holds a half-written file."""
+    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
+    into place: a shared --data-dir never holds a half-written file."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
     for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            try:  # a stop (Ctrl-C, SIGTERM) goes on up, leaving no half-unpacked file
+            try:  # a stop (Ctrl-C, SIGTERM) goes on up
                 with gzip.open(path + ".gz", "rb") as src:
                     error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
             except Exception as e:
@@ -1358,10 +1358,9 @@ def prepare_data(args):
             os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
-        names = ", ".join(map(os.path.basename, paths))
         sys.exit(
             f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
-            f"put {names} there (gzipped or not)"
+            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
         )
     finally:
         socket.setdefaulttimeout(None)
@@ -1393,8 +1392,8 @@ def save_on_rank0(path, write):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed, in its own mode or open()'s (mkstemp's is 0600); returns None,
-    or the line saying why not (a full disk), the file before left whole."""
+    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
+    or the line saying why not."""
     buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
     write(buffer)  # into memory first: a full disk then fails below, as an OSError
     temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
@@ -1406,7 +1405,7 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)

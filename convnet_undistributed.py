@@ -60,13 +60,13 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download into a folder of this
-    run's own and rename each into place: a shared --data-dir never holds a half-written file."""
+    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
+    into place: a shared --data-dir never holds a half-written file."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
     for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            try:  # a stop (Ctrl-C, SIGTERM) goes on up, leaving no half-unpacked file
+            try:  # a stop (Ctrl-C, SIGTERM) goes on up
                 with gzip.open(path + ".gz", "rb") as src:
                     error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
             except Exception as e:
@@ -84,10 +84,9 @@ def prepare_data(args):
             os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
-        names = ", ".join(map(os.path.basename, paths))
         sys.exit(
             f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
-            f"put {names} there (gzipped or not)"
+            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
         )
     finally:
         socket.setdefaulttimeout(None)
@@ -411,8 +410,8 @@ def raise_on_signals(ctrl_c):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed, in its own mode or open()'s (mkstemp's is 0600); returns None,
-    or the line saying why not (a full disk), the file before left whole."""
+    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
+    or the line saying why not."""
     buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
     write(buffer)  # into memory first: a full disk then fails below, as an OSError
     temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
@@ -424,7 +423,7 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)
