@@ -1405,13 +1405,11 @@ def exit_at_once(status=0):
 
 
 def print0(message):
-    """One log for the whole job: rank 0 alone prints."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
 def report(metrics, args):
-    """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
     seconds, speed = metrics["train_seconds"], metrics["samples_per_second"] or 0
     print0(
         f"Train loop {seconds:.2f} s ({speed:.0f} samples/s); launch to end {metrics['total_seconds']:.2f} s"
@@ -1461,7 +1459,7 @@ def layout_line(world_size, args, allreduce):
 
 
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory."""
+    """The run's figures, for its last lines and --metrics-json; a collective (every rank's peak memory)."""
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory_mib())
     return {
