@@ -1116,37 +1116,37 @@ def reach_every_machine(store, rank, args):
 
 
 def check_group(world_size, device, args):
-    """--check: one all-reduce over the group, as each training step makes; across machines, time a step's
-    computing against a gradient average, and name --compress powersgd where the network slows steps."""
+    """--check: one all-reduce; across machines, time a step's computing against its gradient average."""
     total = torch.ones(1, device=device)
     dist.all_reduce(total)  # every process adds its 1: each reached all the others
     if total.item() != world_size:
         sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
     machines = plural(args.num_machines, "machine")
     print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
-    if world_size == placement(args, 0)[2]:  # one machine: no network to time
+    if args.num_machines == 1:  # no network to time
         return
     model = ConvNet().to(device, memory_format=torch.channels_last)
-    gradients = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
-    for _ in range(4):  # a warm-up (connections, allocations), then 3 timed; .item() waits for a GPU
+    for _ in range(3):  # the median shrugs off the first's set-up; .item() waits for a GPU
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = model(images).sum()
         loss.backward()
         loss.item()
         computed = time.perf_counter()
-        dist.all_reduce(gradients)
-        gradients[0].item()
+        dist.all_reduce(grads)
+        grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
-    slowest = torch.tensor(seconds[1:], device=device).median(dim=0).values  # each rank's median
+    slowest = torch.tensor(seconds, device=device).median(dim=0).values  # each rank's median, then the max
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     compute, network = (round(1000 * s) for s in slowest.tolist())
-    size = f"{4 * gradients.numel() / 1e6:.1f} MB"
-    line = f"Network: averaging the gradients ({size}) takes ~{network} ms, a step's computing ~{compute} ms"
-    if network > compute / 2 and args.compress != "powersgd":
-        line += ": the network slows each step: consider --compress powersgd"
-    print0(line)
+    slow = network > compute / 2 and args.compress != "powersgd"
+    print0(
+        f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms, a step's "
+        f"computing ~{compute} ms"
+        + (": the network slows each step: consider --compress powersgd" if slow else "")
+    )
 
 
 # --compress powersgd: its rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
@@ -1171,25 +1171,25 @@ def compress_gradients(ddp_model, compress):
 
 
 def raw_folder(args):
-    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
+    """torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
 def resume(model, optimizer, args):
-    """Load --checkpoint into model and optimizer; returns the epoch to start from. Rank 0 reads the file (it
-    may be on machine 0 alone) and sends it, or why not, to every rank: an error stops them all."""
+    """Returns the epoch to start from. Rank 0 reads --checkpoint (it may be on machine 0 alone) and sends it,
+    or why not, to all: an error stops every rank."""
     try:
         sent = [read_checkpoint(args) if dist.get_rank() == 0 else None, None]
     except ValueError as e:
         sent = [None, str(e)]
     dist.broadcast_object_list(sent, src=0)
     state, error = sent
-    try:
-        if state:
+    if state:
+        try:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
+        except (RuntimeError, ValueError, KeyError) as e:
+            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error:
         sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
     if not state:
@@ -1197,49 +1197,44 @@ def resume(model, optimizer, args):
         return 0
     epoch, group = state["epoch"] + 1, optimizer.param_groups[0]
     print0(f"Resuming from {args.checkpoint}: epoch {epoch - 1} done, starting epoch {epoch}")
-    if group["lr"] != args.lr:  # load_state_dict restored the saved rate: --lr wins, as every flag does
+    if group["lr"] != args.lr:  # --lr wins over the saved rate, as every flag of a resumed run does
         print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
     group["lr"] = args.lr
     return epoch
 
 
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download them into a folder of
-    this run's own, then rename each into place: a shared --data-dir never holds a half-written file."""
+    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
+    into place: a shared --data-dir never holds a half-written file."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
-    names = [os.path.splitext(name)[0] for name, _ in cls.resources]
-    for path in [os.path.join(folder, name) for name in names]:
+    paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
+    for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            unpack(path)
-    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
+            try:  # a stop (Ctrl-C, SIGTERM) goes on up
+                with gzip.open(path + ".gz", "rb") as src:
+                    error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+            except Exception as e:
+                error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+            if error:
+                sys.exit(error)
+    if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
         cls(private, download=True)
-        for name in names:  # a rename within one file system is atomic, NFS included
-            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
+        for path in paths:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         sys.exit(
-            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
+            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
+            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
         )
     finally:
         socket.setdefaulttimeout(None)
         shutil.rmtree(private, ignore_errors=True)
-
-
-def unpack(path):
-    """Unpack path.gz, placed by hand, whole or not at all; a stop (Ctrl-C, SIGTERM) goes on up."""
-    try:
-        with gzip.open(path + ".gz", "rb") as src:
-            error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
-    except Exception as e:
-        error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
-    if error:
-        sys.exit(error)
 
 
 def read_checkpoint(args):
@@ -1267,11 +1262,11 @@ def save_on_rank0(path, write):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed to disk, in its own mode or open()'s (not mkstemp's 0600);
-    returns None, or the one line saying why not (a full disk), the file there before left whole."""
+    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
+    or the line saying why not."""
     buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
-    write(buffer)  # into memory first: a full disk then fails below, where it is caught
-    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # a name of its own, in a shared folder
+    write(buffer)  # into memory first: a full disk then fails below, as an OSError
+    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
@@ -1280,27 +1275,24 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
     except OSError as e:
-        kept = "what was there before is unchanged"
-        return f"error: cannot write {path} ({e.strerror or e}); {kept}: free space, or write elsewhere"
+        return f"error: cannot write {path} ({e.strerror or e}); old file kept: free space or write elsewhere"
     finally:
         with contextlib.suppress(FileNotFoundError):  # gone where renamed
             os.unlink(temporary)
-    return None
 
 
 def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
+    """Tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
     with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
         found = os.stat(path)
         return found.st_ino, found.st_mtime_ns, found.st_size
-    return None
 
 
 def checkpoint_note(path, before):
@@ -1455,20 +1447,18 @@ def exit_at_once(status=0):
 
 
 def print0(message):
-    """Print on rank 0 only: one log for the whole job, not one per process."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
 def report(metrics, args):
-    """Rank 0 prints the run's speed and writes its figures to --metrics-json."""
+    seconds, speed = metrics["train_seconds"], metrics["samples_per_second"] or 0
     print0(
-        f"Train loop {metrics['train_seconds']:.2f} s ({metrics['samples_per_second'] or 0:.0f} samples/s); "
-        f"launch to end {metrics['total_seconds']:.2f} s"
+        f"Train loop {seconds:.2f} s ({speed:.0f} samples/s); launch to end {metrics['total_seconds']:.2f} s"
     )
     if args.metrics_json:
         save_on_rank0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print0(f"Finished training in {metrics['train_seconds']:.2f} secs")
+    print0(f"Finished training in {seconds:.2f} secs")
 
 
 def keep_freed_memory():
@@ -1486,10 +1476,9 @@ def release_freed_memory():
 
 
 def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's backward a channels-last gradient (flatten's is NCHW): else it converts its whole 24x24
-    gradient to NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
+    """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (a conversion there and back)."""
 
-    def on_pooled(module, inputs):
+    def on_pooled(module, inputs):  # dropout1's input is the pool's output
         if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
             inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
@@ -1501,30 +1490,29 @@ def layout_line(world_size, args, allreduce):
     sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
     same = len(set(sizes)) == 1
     each = f"x {plural(sizes[0], 'process')}" if same else f"({' + '.join(map(str, sizes))} processes)"
+    threads = f", from {args.threads_from}" if args.threads_from else ""
+    note = f" ({args.launch_note})" if args.launch_note else ""
     return (
         f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
-        f"{plural(torch.get_num_threads(), 'thread')} per process"
-        + (f", from {args.threads_from}" if args.threads_from else "")
-        + f"; gradients averaged {averaging_words(allreduce, args)}"
-        + (f" ({args.launch_note})" if args.launch_note else "")
+        f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
+        f"gradients averaged {averaging_words(allreduce, args)}{note}"
     )
 
 
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """The run's figures, for its last lines and --metrics-json. A collective: every rank's peak memory."""
+    """The run's figures, for its last lines and --metrics-json; a collective (every rank's peak memory)."""
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory_mib())
     return {
         "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
         "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
         "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
-        "threads": torch.get_num_threads(), "amp": args.amp, **averaging,
-        "train_seconds": train_seconds, "total_seconds": time.time() - LAUNCH_TIME,
+        "threads": torch.get_num_threads(), "amp": args.amp, **averaging, "train_seconds": train_seconds,
+        "total_seconds": time.time() - LAUNCH_TIME,
         "samples_per_second": len(history) * samples / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_loss": test[0], "test_accuracy": test[1], "test_samples": test[2],
-        "peak_rss_mib_per_rank": peaks, "history": history,
+        "final_train_loss": history[-1]["train_loss"] if history else None, "test_loss": test[0],
+        "test_accuracy": test[1], "test_samples": test[2], "peak_rss_mib_per_rank": peaks, "history": history,
     }  # fmt: skip
 
 
@@ -1534,7 +1522,7 @@ def peak_memory_mib():
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS: bytes, Linux: KiB
+        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # macOS: bytes, Linux: KiB
 
 
 # ---- S9. Command-line values and words ---------------------------------------------------------------------

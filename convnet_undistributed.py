@@ -60,46 +60,41 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def prepare_data(args):
-    """Make the four files readable: unpack .gz files placed by hand, else download them into a folder of
-    this run's own, then rename each into place: a shared --data-dir never holds a half-written file."""
+    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
+    into place: a shared --data-dir never holds a half-written file."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
-    names = [os.path.splitext(name)[0] for name, _ in cls.resources]
-    for path in [os.path.join(folder, name) for name in names]:
+    paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
+    for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            unpack(path)
-    if all(os.path.isfile(os.path.join(folder, name)) for name in names):
+            try:  # a stop (Ctrl-C, SIGTERM) goes on up
+                with gzip.open(path + ".gz", "rb") as src:
+                    error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+            except Exception as e:
+                error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+            if error:
+                sys.exit(error)
+    if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
     private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
     socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
     try:
         cls(private, download=True)
-        for name in names:  # a rename within one file system is atomic, NFS included
-            os.replace(os.path.join(private, cls.__name__, "raw", name), os.path.join(folder, name))
+        for path in paths:  # a rename within one file system is atomic, NFS included
+            os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         sys.exit(
-            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}); "
-            f"put the four files {', '.join(names)} there (gzipped or not) and run again"
+            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
+            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
         )
     finally:
         socket.setdefaulttimeout(None)
         shutil.rmtree(private, ignore_errors=True)
 
 
-def unpack(path):
-    """Unpack path.gz, placed by hand, whole or not at all; a stop (Ctrl-C, SIGTERM) goes on up."""
-    try:
-        with gzip.open(path + ".gz", "rb") as src:
-            error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
-    except Exception as e:
-        error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
-    if error:
-        sys.exit(error)
-
-
 def raw_folder(args):
-    """Where the data set's files are, in torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
+    """torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
@@ -197,12 +192,12 @@ def plural(n, word):
 
 
 def peak_memory_mib():
-    """The largest resident set this process has had so far, in MiB (getrusage(2)); None on Windows."""
+    """This process's peak resident set so far, in MiB (getrusage(2)); None on Windows."""
     with contextlib.suppress(ImportError):  # resource: Unix only
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (1 << 20) if sys.platform == "darwin" else peak / (1 << 10)  # macOS: bytes, Linux: KiB
+        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # macOS: bytes, Linux: KiB
 
 
 # ---- 5. Checkpoint
@@ -371,10 +366,9 @@ def release_freed_memory():
 
 
 def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's CPU backward a channels-last gradient: else it converts its whole 24x24 gradient from
-    flatten()'s NCHW and back. The hook sits on dropout1, whose input is the pool's output."""
+    """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (a conversion there and back)."""
 
-    def on_pooled(module, inputs):
+    def on_pooled(module, inputs):  # dropout1's input is the pool's output
         if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
             inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
@@ -404,11 +398,11 @@ def raise_on_signals(ctrl_c):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed to disk, in its own mode or open()'s (not mkstemp's 0600);
-    returns None, or the one line saying why not (a full disk), the file there before left whole."""
+    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
+    or the line saying why not."""
     buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
-    write(buffer)  # into memory first: a full disk then fails below, where it is caught
-    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # a name of its own, in a shared folder
+    write(buffer)  # into memory first: a full disk then fails below, as an OSError
+    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
@@ -417,27 +411,24 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (Windows and some FS cannot)
+        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
     except OSError as e:
-        kept = "what was there before is unchanged"
-        return f"error: cannot write {path} ({e.strerror or e}); {kept}: free space, or write elsewhere"
+        return f"error: cannot write {path} ({e.strerror or e}); old file kept: free space or write elsewhere"
     finally:
         with contextlib.suppress(FileNotFoundError):  # gone where renamed
             os.unlink(temporary)
-    return None
 
 
 def file_version(path):
-    """What tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
+    """Tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
     with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
         found = os.stat(path)
         return found.st_ino, found.st_mtime_ns, found.st_size
-    return None
 
 
 def checkpoint_note(path, before):

@@ -165,7 +165,7 @@ def test_unpacking_beside_another_launch_of_the_same_pid_leaves_its_file_alone(t
     with open(theirs, "wb") as f:
         f.write(b"the other pod's half")
     monkeypatch.setattr(os, "getpid", lambda: 1)
-    convnet_distributed.unpack(path)
+    convnet_distributed.prepare_data(types.SimpleNamespace(data_dir=str(tmp_path), dataset="mnist"))
     assert open(theirs, "rb").read() == b"the other pod's half"
     assert open(path, "rb").read()[:4] == b"\x00\x00\x08\x01"  # idx magic: whole
     leftovers = sorted(n for n in os.listdir(raw) if n.startswith("."))
@@ -289,7 +289,6 @@ def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypat
     from conftest import FILES, write_dataset
 
     raw = os.path.join(write_dataset(str(tmp_path), gz=True), "MNIST", "raw")
-    path = os.path.join(raw, "train-images-idx3-ubyte")
 
     def stopped(src, dst):
         dst.write(src.read(1000))  # midway
@@ -297,5 +296,5 @@ def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypat
 
     monkeypatch.setattr(convnet_distributed.shutil, "copyfileobj", stopped)
     with pytest.raises(stop):
-        convnet_distributed.unpack(path)
+        convnet_distributed.prepare_data(types.SimpleNamespace(data_dir=str(tmp_path), dataset="mnist"))
     assert sorted(os.listdir(raw)) == sorted(name + ".gz" for name in FILES)  # the .gz files alone

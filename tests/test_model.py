@@ -24,7 +24,6 @@ SAME_IN_ALL = [
     "ConvNet",
     "keep_pool_gradient_channels_last",
     "raw_folder",
-    "unpack",
     "prepare_data",
     "load_data",
     "to_input",
