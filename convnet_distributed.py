@@ -1605,7 +1605,11 @@ def cgroup_cpus():
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    quota, period = map(int, "".join(open(f"{folder}/{n}").read() for n in files).split())
+                    texts = []
+                    for name in files:
+                        with open(f"{folder}/{name}") as quota_file:
+                            texts.append(quota_file.read())
+                    quota, period = map(int, "".join(texts).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
