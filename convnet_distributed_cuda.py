@@ -1378,8 +1378,8 @@ def exit_if_contact_lost(error, rank, args):
         if local_rank_of(rank, args) != 0:  # one line a machine: local rank 0's; its launcher stops us
             time.sleep(2)
         sys.exit(
-            f"error: rank {rank} lost contact with the job ({last_line(error)}): a process stopped, or gave "
-            f"no answer within --timeout {args.timeout:g} s"
+            f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
+            f"or did not answer within --timeout {args.timeout:g} s"
         )
 
 
