@@ -514,21 +514,18 @@ def gloo_failures(store, rank, args):
 
 
 def averages_in_shared_memory(args, world_size):
-    """Whether the gradients may be averaged in shared memory: every process on this machine, Linux on x86-64
-    (the hook relies on x86-64's store order, and on /dev/shm), and no --allreduce gloo."""
+    """Every process on one machine, no --allreduce gloo, Linux x86-64: the hook relies on its store order."""
     linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
     return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux
 
 
 def shared_memory_averager(model, rank, world_size, args):
-    """A SharedMemoryAverager where every process is on this machine and /dev/shm has the room, else None."""
-    try:
-        if averages_in_shared_memory(args, world_size):
+    """A SharedMemoryAverager where it may average and /dev/shm has the room, else None (rank 0 says why)."""
+    if averages_in_shared_memory(args, world_size):
+        try:
             return SharedMemoryAverager(model, rank, world_size, args.timeout)
-    except OSError as e:  # /dev/shm lacks the room: rank 0 says so
-        if e.errno != errno.ENOSPC:
-            raise
-        print0(e.strerror)
+        except MemoryError as e:
+            print0(e)
     return None
 
 
@@ -539,22 +536,21 @@ class SharedMemoryAverager:
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
         size = SharedMemoryAverager.floats(numel, world_size)
-        # Rank 0 makes the file with its room reserved (a page of a sparse file past /dev/shm's room kills its
-        # process: SIGBUS); every rank maps it, then the name goes: nothing is left behind.
-        path = f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}"
-        made = [path, gradient_shortfall(model, world_size) if rank == 0 else None]  # the path, a shortfall
+        # Rank 0 makes the file, its room reserved (a sparse file's page past /dev/shm's room is a SIGBUS);
+        # every rank maps it, then the name goes. Rank 0's path and shortfall go to all.
+        made = [f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}", gradient_shortfall(model, world_size)]
         if rank == 0 and not made[1]:
-            with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            with open(os.open(made[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 try:
                     os.posix_fallocate(f.fileno(), 0, 4 * size)
-                except OSError as e:  # another job took the room since: every rank gets ENOSPC
+                except OSError as e:  # another job took the room since
                     if e.errno != errno.ENOSPC:
                         raise
                     made[1] = gradient_shortfall(model, world_size, failed=True)
         dist.broadcast_object_list(made, src=0)
         try:
             if made[1]:
-                raise OSError(errno.ENOSPC, made[1])
+                raise MemoryError(made[1])
             region = torch.from_file(made[0], shared=True, size=size)
             dist.barrier()  # mapped by every rank: the name can go
         finally:
@@ -596,15 +592,13 @@ class SharedMemoryAverager:
 
 
 def averaging_words(allreduce, args):
-    """How the gradients are averaged, for the layout line."""
     if allreduce != "shared-memory":
         return "over Gloo" + compression_words(args.compress)
     return "in shared memory" + (" (--compress acts across machines only)" if args.compress != "none" else "")
 
 
 def gradient_shortfall(model, world_size, failed=False):
-    """None where /dev/shm has room for the averager's areas, else the line saying it lacks it. failed:
-    reserving the room failed, whatever /dev/shm shows free."""
+    """None where /dev/shm has room for the averager, else the line saying so; failed: reserving it failed."""
     size = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
     try:
         stats = os.statvfs("/dev/shm")  # a tmpfs of fixed size: 64 MiB in a container by default
@@ -1311,20 +1305,19 @@ def checkpoint_note(path, before):
 
 
 def run_workers(args, data, nprocs, listener):
-    """Start this machine's nprocs processes and wait; when one fails, torch's join stops the others."""
+    """Start this machine's nprocs processes and wait; when one fails, torch's join stops the others. A stop
+    as they start (lost in fork's bookkeeping) is blocked, here and in them, until raise_on_signals."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the worker's line says why
     method, ctrl_c = start_method(), signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     if method == "spawn" and os.name == "posix":
-        resource_tracker.ensure_running()  # spawn would start it, unblocking the signals below as it starts
-    # A stop as the workers start waits (raised in fork's bookkeeping, it is lost): blocked here and in the
-    # workers, which inherit the mask, until raise_on_signals. (Windows has no masks.)
-    if hasattr(signal, "pthread_sigmask"):
+        resource_tracker.ensure_running()  # spawn would start it, unblocking the signals blocked below
+    if hasattr(signal, "pthread_sigmask"):  # Windows has no masks
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
         context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=method
+            spawned_worker, (args, data, listener, ctrl_c), nprocs=nprocs, join=False, start_method=method
         )
-        raise_on_signals(ctrl_c)  # a stop that came as they started is raised here
+        raise_on_signals(ctrl_c)
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
@@ -1334,7 +1327,7 @@ def run_workers(args, data, nprocs, listener):
         rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         sys.exit(1 if e.exit_code == 1 else line)  # 1: the worker's sys.exit, which printed why
-    finally:  # every worker started, even where a stop came as they started: SIGTERM, SIGKILL after 10 s
+    finally:  # every worker, even where a stop came as they started: SIGTERM, SIGKILL after 10 s
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second stop must not cut this short
             signal.signal(signum, signal.SIG_IGN)
         workers, deadline = mp.active_children(), time.monotonic() + 10
@@ -1342,7 +1335,7 @@ def run_workers(args, data, nprocs, listener):
             process.terminate()
         for process in workers:
             process.join(max(0.0, deadline - time.monotonic()))
-            process.kill()  # where still there
+            process.kill()
             process.join()
         if listener is not None:  # held until now: the port's holder, as a user sees it, is this launch
             listener.close()
@@ -1351,31 +1344,31 @@ def run_workers(args, data, nprocs, listener):
 def spawned_worker(local_rank, args, data, listener, ctrl_c):
     threading.Thread(target=exit_with_launcher, args=(mp.parent_process(),), daemon=True).start()
     try:
-        raise_on_signals(ctrl_c)  # a stop that came as this worker started is raised here
+        raise_on_signals(ctrl_c)
         worker(local_rank, args, data, listener)
     except (KeyboardInterrupt, Terminated) as e:  # not spawn's 0 for Ctrl-C: the run did not finish
         exit_at_once(143 if isinstance(e, Terminated) else 130)
     except SystemExit as e:
         exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where; spawn's own handler would tear the interpreter down
+    except Exception:  # a bug: spawn's handler would tear the interpreter down
         traceback.print_exc()
         exit_at_once(1)
-    exit_at_once()  # not spawn's return, which tears the interpreter down (see exit_at_once)
+    exit_at_once()
 
 
 @contextlib.contextmanager
 def exit_on_signal(args):
     """Ctrl-C or SIGTERM runs every clean-up; one line per machine says what was kept; exits 128 + signal."""
-    before = file_version(args.checkpoint)  # whether this launch replaced it
+    before = file_version(args.checkpoint)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
         yield
     except (KeyboardInterrupt, Terminated) as e:
-        how = "Terminated (SIGTERM)" if isinstance(e, Terminated) else "Interrupted"
-        if args.local_rank == 0:  # one line per machine; machine 0's alone tells what the file holds
+        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
+        if args.local_rank == 0:  # machine 0's line alone tells what the checkpoint holds
             kept = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
             print(f"{how}: every process of this launch stopped{kept}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        sys.exit(status)
 
 
 class Terminated(BaseException):
@@ -1383,39 +1376,34 @@ class Terminated(BaseException):
 
 
 def raise_on_signals(ctrl_c):
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated, the first only: a second must not cut the
-    clean-up short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+    """The first Ctrl-C raises KeyboardInterrupt, SIGTERM Terminated, unless already leaving (a traceback);
+    ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
     stopping = []
 
     def stop(signum, frame):
-        # Not in a process already leaving with its error line: raised there, it would print a traceback.
         if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             stopping.append(signum)
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # blocked as workers start (run_workers): one held is raised now
+    if hasattr(signal, "pthread_sigmask"):  # one blocked as the workers started is raised now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
 def exit_with_launcher(launcher):
-    """A worker's thread: it stops the worker once its launcher is gone (SIGKILL, out of memory). Not
-    PR_SET_PDEATHSIG: Linux's alone, and torch's (SIGINT) is lost where SIGINT is ignored (nohup)."""
-    # An orphan gets a new parent (Linux, macOS); on Windows the launcher's handle says it ended.
+    """Stops a worker whose launcher is gone (SIGKILL, out of memory): an orphan gets a new parent, and on
+    Windows the launcher's handle says it ended. Not PR_SET_PDEATHSIG: Linux's alone, lost under nohup."""
     while os.getppid() == launcher.pid and launcher.is_alive():
         time.sleep(0.5)
-    _thread.interrupt_main(
-        signal.SIGTERM
-    )  # Terminated, as SIGTERM raises it (os.kill ends a Windows process)
+    _thread.interrupt_main(signal.SIGTERM)  # raises Terminated, as SIGTERM does
     time.sleep(10)
     os._exit(143)  # still here: stuck in a call that never returns to Python
 
 
 def exit_if_contact_lost(error, rank, args):
-    """A lost peer raises a DistError, or a RuntimeError naming the backend (DDP, in backward())."""
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        if local_rank_of(rank, args) != 0:  # one line a machine: local rank 0 speaks; its launcher stops us
+        if local_rank_of(rank, args) != 0:  # one line a machine: local rank 0's; its launcher stops us
             time.sleep(2)
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
@@ -1427,9 +1415,8 @@ GROUPS_KEPT = []
 
 
 def exit_at_once(status=0):
-    """Exit as sys.exit(status) would, without the interpreter's teardown: it is slow (torch's libraries are
-    paged in to unload) and frees the group worker() kept, whose threads can abort the process."""
-    with contextlib.suppress(ValueError):  # a stop now would cut the exit short (ValueError: not main thread)
+    """sys.exit(status) without the teardown: slow, and freeing the group worker() kept can abort."""
+    with contextlib.suppress(ValueError):  # a stop must not cut the exit short (ValueError: not main thread)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
@@ -1437,7 +1424,7 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.name == "posix":  # os._exit drops what C code holds in stdio's buffers: fflush(NULL) flushes them
+    if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
@@ -1638,9 +1625,9 @@ def last_line(error):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # every failure's one line, and every signal's exit status
+    except SystemExit as e:  # every failure's one line, every signal's status
         exit_at_once(e.code)
-    except Exception:  # a bug: its traceback says where; then out as ever, a group kept unfreed (worker)
+    except Exception:  # a bug: its traceback, then out as ever (a group kept unfreed: exit_at_once)
         traceback.print_exc()
         exit_at_once(1)
     exit_at_once()

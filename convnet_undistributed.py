@@ -380,17 +380,15 @@ def keep_pool_gradient_channels_last(model):
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, timeout, docker stop, scancel), raised where the process is, as Ctrl-C raises
-    KeyboardInterrupt: the same clean-up runs, and the run ends with one line."""
+    """SIGTERM (kill, timeout, docker stop, scancel), raised as Ctrl-C raises KeyboardInterrupt."""
 
 
 def raise_on_signals(ctrl_c):
-    """Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated; a second signal must not cut the clean-up
-    short. ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
+    """The first Ctrl-C raises KeyboardInterrupt, SIGTERM Terminated, unless already leaving (a traceback);
+    ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
     stopping = []
 
     def stop(signum, frame):
-        # Not while already leaving with an error line: raised there, it would print a traceback.
         if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             stopping.append(signum)
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
@@ -448,9 +446,8 @@ def checkpoint_note(path, before):
 
 
 def exit_at_once(status=0):
-    """Leave as sys.exit(status) would, but without tearing the interpreter down: that pages torch's
-    libraries back in only to unload them."""
-    with contextlib.suppress(ValueError):  # a stop now would cut the exit short (ValueError: not main thread)
+    """sys.exit(status) without tearing the interpreter down, which pages torch in only to unload it."""
+    with contextlib.suppress(ValueError):  # a stop must not cut the exit short (ValueError: not main thread)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
@@ -458,7 +455,7 @@ def exit_at_once(status=0):
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.name == "posix":  # os._exit drops what C code holds in stdio's buffers: flush them all
+    if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(status or 0)
