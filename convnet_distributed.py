@@ -539,16 +539,16 @@ class SharedMemoryAverager:
         # Rank 0 makes the file, its room reserved (a sparse file's page past /dev/shm's room is a SIGBUS);
         # every rank maps it, then the name goes. Rank 0's path and shortfall go to all.
         made = [f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}", gradient_shortfall(model, world_size)]
-        if rank == 0 and not made[1]:
-            with open(os.open(made[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                try:
-                    os.posix_fallocate(f.fileno(), 0, 4 * size)
-                except OSError as e:  # another job took the room since
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    made[1] = gradient_shortfall(model, world_size, failed=True)
-        dist.broadcast_object_list(made, src=0)
-        try:
+        try:  # whatever fails, the name goes
+            if rank == 0 and not made[1]:
+                with open(os.open(made[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    try:
+                        os.posix_fallocate(f.fileno(), 0, 4 * size)
+                    except OSError as e:  # another job took the room since
+                        if e.errno != errno.ENOSPC:
+                            raise
+                        made[1] = gradient_shortfall(model, world_size, failed=True)
+            dist.broadcast_object_list(made, src=0)
             if made[1]:
                 raise MemoryError(made[1])
             region = torch.from_file(made[0], shared=True, size=size)
@@ -1051,7 +1051,6 @@ def exit_on_abort(rank, args, stderr=2):
             while not done.wait(0.5):
                 if store.check(["abort"]):
                     line = store.get("abort").decode(errors="replace").strip()[:2000]
-                    time.sleep(1)  # let the others read the line before this process (maybe the store's) goes
                     os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
                     abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
@@ -1291,9 +1290,9 @@ def file_version(path):
 
 def checkpoint_note(path, before):
     """What an interrupted run's line says of --checkpoint, against its version at launch."""
-    now = file_version(path)
     if path is None:
         return ""
+    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

@@ -885,7 +885,6 @@ def exit_on_abort(rank, args, stderr=2):
             while not done.wait(0.5):
                 if store.check(["abort"]):
                     line = store.get("abort").decode(errors="replace").strip()[:2000]
-                    time.sleep(1)  # let the others read the line before this process (maybe the store's) goes
                     os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
                     abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
@@ -1125,9 +1124,9 @@ def file_version(path):
 
 def checkpoint_note(path, before):
     """What an interrupted run's line says of --checkpoint, against its version at launch."""
-    now = file_version(path)
     if path is None:
         return ""
+    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

@@ -435,9 +435,9 @@ def file_version(path):
 
 def checkpoint_note(path, before):
     """What an interrupted run's line says of --checkpoint, against its version at launch."""
-    now = file_version(path)
     if path is None:
         return ""
+    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:
