@@ -189,6 +189,7 @@ def test_convnet_layers_are_the_spec_and_dropout_is_element_wise():
 def test_channels_last_model_takes_the_same_step_as_a_plain_one():
     """The scripts hand max-pool its gradient in channels-last order (a speed fix): the gradients stay the
     same as those of the model held in the default layout."""
+    torch.manual_seed(0)  # unseeded, a rare draw put a gradient past atol (float32 sums in another order)
     plain = convnet_distributed.ConvNet()
     fast = copy.deepcopy(plain).to(memory_format=torch.channels_last)
     convnet_distributed.keep_pool_gradient_channels_last(fast)
