@@ -409,87 +409,78 @@ def start_method():
 
 
 def choose_gloo_interface(store, rank, world_size, args):
-    """Point Gloo at an address the other machines reach, and tell rank 0 which. GLOO_SOCKET_IFNAME wins; a
-    job on one machine keeps Gloo, unauthenticated, on loopback."""
+    """Point Gloo, unauthenticated, at loopback on one machine, else at the interface the others reach."""
     count, name, listed = placement(args, 0)[2], getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
-    spans = world_size > count  # listed is None where this system cannot list them; macOS lists not lo0
+    spans = world_size > count
     found = listed or ({"lo0": ["127.0.0.1"]} if sys.platform == "darwin" else {})
-    if spans:  # Gloo listens where the host name resolves, often loopback: the others reach the near end
+    if spans:  # the near end of a connection to machine 0: an address the others reach
         with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
             address, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
         store.set(f"far/{args.machine_id}", far)
-    if not name and spans and listed is not None:
-        if is_loopback(address):  # machine 0, its name on loopback: reached where machine 1 reached it
+    if not name and not spans:
+        name = next((n for n, on in found.items() if on and is_loopback(on[0])), None)
+    elif not name and listed is not None:
+        if is_loopback(address):  # machine 0, by a name on loopback: where machine 1 reached it
             try:
                 far = str(ipaddress.ip_address((raw := store.get("far/1")).decode()))
-            except ValueError:  # the store is unauthenticated
+            except ValueError:
                 abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
-            address = address if is_loopback(far) else far  # loopback where both are on one host
-        # Gloo listens on an interface's first address: an alias label whose first address this is, if any.
+            address = address if is_loopback(far) else far
         held = [n for n, on in found.items() if address in on]
         if not held:
-            abort_job(store, rank, args, (
-                f"error: rank {rank}: the other machines reach this one at {address}, which no interface "
-                "here holds (a NAT?): set GLOO_SOCKET_IFNAME to the interface they reach"
-            ))  # fmt: skip
-        name = min(held, key=lambda n: address != found[n][0])
-    elif not name and not spans:
-        name = next((n for n, on in found.items() if on and is_loopback(on[0])), None)
+            line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
+            abort_job(store, rank, args, f"{line}: set GLOO_SOCKET_IFNAME to the interface they reach")
+        name = min(held, key=lambda n: address != found[n][0])  # Gloo takes an interface's first address
     if name:
         os.environ["GLOO_SOCKET_IFNAME"] = name
         address = found.get(name.split(",")[0], ["its address"])[0]
     else:  # Gloo's own choice: the host name's first address, else loopback
-        address = "127.0.0.1"
+        name, address = "the host name's interface", "127.0.0.1"
         with contextlib.suppress(OSError):
             address = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
-        name = next((n for n, on in found.items() if address in on), "the host name's interface")
         if spans and rank == 0:
-            print0(f"This system ({sys.platform}) cannot tell which network interface reaches the other "
-                   "machines: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")  # fmt: skip
-    if local_rank_of(rank, args) == 0:  # one report per machine: rank 0 prints it, reach_every_machine reads
+            line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
+            print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
+    if local_rank_of(rank, args) == 0:
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
     for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
-        report = from_json(raw := store.get(f"machine/{machine}"))
-        if not (isinstance(report, list) and len(report) == 4 and type(report[1]) is int):
+        try:
+            host, count, name, address = from_json(raw := store.get(f"machine/{machine}"))
+        except (TypeError, ValueError):
             abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-        host, count, name, address = report
         print0(f"Machine {machine} ({host}): {plural(count, 'process')}, Gloo on {name} {address}")
 
 
 def check_gloo_socket_ifname():
-    """GLOO_SOCKET_IFNAME naming no interface here with an address: one line, not Gloo's C++ exception."""
+    """One line, not Gloo's C++ exception."""
     name, found = getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
-    for one in name.split(",") if name and found is not None else ():  # not listed here: Gloo will say
+    for one in name.split(",") if name and found is not None else ():  # not listed: Gloo will say
         if not found.get(one):
             have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
-            sys.exit(f"error: GLOO_SOCKET_IFNAME={name}: this machine has no interface {one} with an address "
-                     f"(it has {have}): name one of these, on each machine its own")  # fmt: skip
+            line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
+            sys.exit(f"{line}: name one of {have}, on each machine its own")
 
 
 def interface_addresses():
-    """{interface or alias label: its addresses}, IPv4 first as getifaddrs(3) gives them to Gloo. None where
-    they cannot be listed (no glibc; netlink blocked in a sandbox)."""
+    """{interface or alias label: addresses, IPv4 first as Gloo takes them}; None where none are listed."""
     head, found = ctypes.c_void_p(), {}
     with contextlib.suppress(OSError):  # no glibc: macOS, Windows
         libc = ctypes.CDLL("libc.so.6")
-        if libc.getifaddrs(ctypes.byref(head)) == 0:
+        if libc.getifaddrs(ctypes.byref(head)) == 0:  # -1 where a sandbox blocks netlink
             at = head.value
-            while at:  # struct ifaddrs: next, name, flags (a pointer's room), address (struct sockaddr *)
+            while at:  # struct ifaddrs: next, name, flags (a pointer's room), struct sockaddr *
                 at, name, _, sockaddr = (ctypes.c_void_p * 4).from_address(at)
                 held = found.setdefault(ctypes.string_at(name).decode(), [])
                 family = sockaddr and ctypes.c_ushort.from_address(sockaddr).value
-                # Where the address lies in struct sockaddr_in (after family and port), sockaddr_in6
-                if spot := {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family):
+                if spot := {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family):  # in sockaddr_in
                     held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + spot[0], spot[1])))
             libc.freeifaddrs(head)
             return found
-    return None
 
 
 @contextlib.contextmanager
 def gloo_failures(store, rank, args):
-    """A group Gloo cannot connect is one line on every machine; Gloo's C++ log of each failed connection (no
-    setting silences it) is held back, written out on success."""
+    """A failure to connect: one line on every machine; Gloo's C++ log of each try is held back till then."""
     sys.stderr.flush()
     real = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -497,11 +488,9 @@ def gloo_failures(store, rank, args):
         try:
             with exit_on_abort(rank, args, real):
                 yield
-        except RuntimeError as e:  # its line goes out once fd 2 is back
-            abort_job(store, rank, args, (
-                f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)}): let the machines "
-                "reach each other on every TCP port, or set GLOO_SOCKET_IFNAME on each to the one that does"
-            ))  # fmt: skip
+        except RuntimeError as e:
+            line = f"error: rank {rank}: Gloo cannot connect the processes ({last_line(e)})"
+            abort_job(store, rank, args, f"{line}: open TCP between the machines, or set GLOO_SOCKET_IFNAME")
         finally:
             os.dup2(real, 2)
             os.close(real)
@@ -514,32 +503,29 @@ def gloo_failures(store, rank, args):
 
 
 def averages_in_shared_memory(args, world_size):
-    """Every process on one machine, no --allreduce gloo, Linux x86-64: the hook relies on its store order."""
+    """One machine, no --allreduce gloo, Linux x86-64: the hook relies on x86-64's store order."""
     linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
     return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux
 
 
 def shared_memory_averager(model, rank, world_size, args):
-    """A SharedMemoryAverager where it may average and /dev/shm has the room, else None (rank 0 says why)."""
+    """None where it may not average, or /dev/shm lacks the room (rank 0 says so)."""
     if averages_in_shared_memory(args, world_size):
         try:
             return SharedMemoryAverager(model, rank, world_size, args.timeout)
         except MemoryError as e:
             print0(e)
-    return None
 
 
 class SharedMemoryAverager:
-    """A DDP communication hook for processes on one machine: each rank writes its bucket / world size into
-    shared memory, waits for the others and sums all copies: no loopback TCP, no sleeping wait (Gloo)."""
+    """A DDP hook: each rank writes its bucket / world size into shared memory, waits for all, sums them."""
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
         size = SharedMemoryAverager.floats(numel, world_size)
-        # Rank 0 makes the file, its room reserved (a sparse file's page past /dev/shm's room is a SIGBUS);
-        # every rank maps it, then the name goes. Rank 0's path and shortfall go to all.
+        # Rank 0 reserves the room (a sparse file's page past /dev/shm's room is a SIGBUS); all map it.
         made = [f"/dev/shm/convnet-ddp-{uuid.uuid4().hex}", gradient_shortfall(model, world_size)]
-        try:  # whatever fails, the name goes
+        try:
             if rank == 0 and not made[1]:
                 with open(os.open(made[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                     try:
@@ -561,20 +547,20 @@ class SharedMemoryAverager:
         self.rank, self.world_size, self.timeout, self.calls = rank, world_size, timeout, 0
 
     @staticmethod
-    def floats(numel, world_size):
-        return 2 * world_size + 2 * world_size * numel  # arrival counts (int64), then two areas of float32
+    def floats(numel, world_size):  # an int64 arrival count per rank, then two areas of float32
+        return 2 * world_size * (1 + numel)
 
     def average(self, bucket):
         grads = bucket.buffer()
-        # Two areas in turn: one is rewritten only once every rank arrived at the call between: read by all.
+        # Two areas in turn: one is rewritten only once every rank arrived at the call between.
         area = self.areas[self.calls % 2, :, : grads.numel()]
-        # Divide, then sum, as DDP does; all ranks sum in one order (rank 0's first): same bits, equal copies.
-        torch.div(grads, self.world_size, out=area[self.rank])
+        torch.div(grads, self.world_size, out=area[self.rank])  # divide, then sum, as DDP does
         self.calls += 1
         # x86-64 makes stores visible in program order: a rank that sees this count sees the gradients.
         self.arrived[self.rank] = self.calls
         self.wait_for_all()
-        torch.add(area[0], area[1], out=grads)  # two passes over memory fewer than torch.sum(area, dim=0)
+        # One order on every rank: equal copies, bit for bit; add: two passes fewer than torch.sum
+        torch.add(area[0], area[1], out=grads)
         for other in area[2:]:
             grads.add_(other)
         done = torch.futures.Future()
@@ -582,7 +568,7 @@ class SharedMemoryAverager:
         return done
 
     def wait_for_all(self):
-        # Spin, yielding the core: a sleeping process (Gloo's wait) can take milliseconds to wake on a VM.
+        # Spin, yielding the core: a sleeping process (Gloo's) can take milliseconds to wake on a VM
         deadline = time.monotonic() + self.timeout
         while self.arrived.min() < self.calls:
             if time.monotonic() > deadline:
@@ -598,11 +584,11 @@ def averaging_words(allreduce, args):
 
 
 def gradient_shortfall(model, world_size, failed=False):
-    """None where /dev/shm has room for the averager, else the line saying so; failed: reserving it failed."""
+    """None where /dev/shm has room for the averager, else the line saying so."""
     size = 4 * SharedMemoryAverager.floats(sum(p.numel() for p in model.parameters()), world_size)
     try:
-        stats = os.statvfs("/dev/shm")  # a tmpfs of fixed size: 64 MiB in a container by default
-    except (OSError, AttributeError):  # no /dev/shm (macOS), no os.statvfs (Windows): no such cap
+        stats = os.statvfs("/dev/shm")  # a tmpfs: 64 MiB in a container by default
+    except (OSError, AttributeError):  # macOS, Windows: no cap
         return None
     free = stats.f_bavail * stats.f_frsize
     if failed or size + (1 << 20) > free:  # 1 MiB to spare: page rounding, others' small files
@@ -611,7 +597,6 @@ def gradient_shortfall(model, world_size, failed=False):
             f"({size / 2**20:.0f} MiB): gradients are averaged over Gloo; for more, run the container with "
             "--shm-size=1g (Docker), or mount an emptyDir with medium: Memory at /dev/shm (Kubernetes)"
         )
-    return None
 
 
 # ============================================================================================================

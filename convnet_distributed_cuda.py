@@ -387,57 +387,52 @@ def start_method():
 
 
 def select_device(local_rank):
-    """This process's GPU, made current for NCCL to bind the rank to."""
+    """Made current: NCCL binds the rank to it."""
     local_rank %= torch.cuda.device_count()  # srun --gpus-per-task=1 shows a task its one GPU as cuda:0
     torch.cuda.set_device(local_rank)
-    torch.set_float32_matmul_precision("high")  # TF32, as cuDNN's convolutions: finer than gradients' noise
+    torch.set_float32_matmul_precision("high")  # TF32, as cuDNN's convolutions
     return torch.device("cuda", local_rank)
 
 
 def one_gpu_each(store, rank, world_size, args):
-    """Two ranks on one GPU stop in one line, not NCCL's obscure "Duplicate GPU detected". The UUID tells GPUs
-    apart where each process sees its own as cuda:0; without one, no check."""
+    """Two ranks on one GPU: one line, not NCCL's "Duplicate GPU detected". The UUID (no check without)
+    tells apart GPUs each process sees as cuda:0."""
     index = torch.cuda.current_device()
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
     host, mine = socket.gethostname(), str(rank).encode()
-    # The first rank to claim the GPU holds its key; a second stops the job (the others at their next wait).
     if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
         if not first.isdigit():  # the store is unauthenticated
             abort_job(store, rank, args, bad_value(rank, key, first, args))
         low, high = sorted((int(first), rank))
-        abort_job(store, rank, args, (
-            f"error: ranks {low} and {high} share one GPU (cuda:{index} on {host}): NCCL needs one per "
-            "process: give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
-        ))  # fmt: skip
+        cause = f"error: ranks {low} and {high} share one GPU (cuda:{index} on {host})"
+        fix = "give each its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+        abort_job(store, rank, args, f"{cause}: {fix}")
 
 
 @contextlib.contextmanager
 def nccl_failures(store, rank, args):
-    """A group NCCL cannot connect is one line on every machine: the processes still waiting stop too."""
+    """One line on every machine: the processes still waiting stop too."""
     try:
         with exit_on_abort(rank, args):
             yield
     except RuntimeError as e:
-        abort_job(store, rank, args, (
-            f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)}): let the machines "
-            "reach each other on every TCP port, or set NCCL_SOCKET_IFNAME on each to the one that does"
-        ))  # fmt: skip
+        line = f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)})"
+        abort_job(store, rank, args, f"{line}: open TCP between the machines, or set NCCL_SOCKET_IFNAME")
 
 
-def averaging_words(allreduce, args):
-    """For the layout line: by NCCL, or over Gloo where tests run on CPUs."""
+def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
     return ("by NCCL" if allreduce == "nccl" else "over Gloo") + compression_words(args.compress)
 
 
 def keep_nccl_on_loopback(world_size, args):
-    """On one machine, NCCL's unauthenticated bootstrap listens on loopback; NCCL_SOCKET_IFNAME given wins."""
+    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine."""
     if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
-        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": this name exactly, not every name that starts with it
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
 
 
 def match_gradient_strides(model):
-    """Hand DDP each gradient in its parameter's strides: cuDNN gives conv1's weight gradient another stride
-    on its size-1 dimension; DDP would warn ("Grad strides do not match bucket view strides") and copy it."""
+    """cuDNN gives conv1's weight gradient another stride on its size-1 dimension: DDP would warn ("Grad
+    strides do not match") and copy it."""
 
     def restated(grad, p):  # only size-1 dimensions' strides differ: each element keeps its offset
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)

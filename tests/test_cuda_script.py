@@ -192,8 +192,8 @@ def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
     for r in results:
         assert r.returncode == 1 and r.stdout == "", r.stderr
         assert r.stderr.splitlines() == [
-            f"error: ranks 0 and 1 share one GPU (cuda:0 on {host}): NCCL needs one per process: give each "
-            "its own (a launcher's local rank, or CUDA_VISIBLE_DEVICES)"
+            f"error: ranks 0 and 1 share one GPU (cuda:0 on {host}): give each its own (a launcher's local "
+            "rank, or CUDA_VISIBLE_DEVICES)"
         ], r.stderr
     assert seconds < 30, seconds
 
