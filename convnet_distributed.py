@@ -425,7 +425,7 @@ def choose_gloo_interface(store, rank, world_size, args):
                 far = str(ipaddress.ip_address((raw := store.get("far/1")).decode()))
             except ValueError:
                 abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
-            address = address if is_loopback(far) else far
+            address = address if is_loopback(far) else far  # both on one host: loopback
         held = [n for n, on in found.items() if address in on]
         if not held:
             line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
@@ -441,7 +441,7 @@ def choose_gloo_interface(store, rank, world_size, args):
         if spans and rank == 0:
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
-    if local_rank_of(rank, args) == 0:
+    if local_rank_of(rank, args) == 0:  # reach_every_machine reads it too
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
     for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
         try:
@@ -472,7 +472,7 @@ def interface_addresses():
                 at, name, _, sockaddr = (ctypes.c_void_p * 4).from_address(at)
                 held = found.setdefault(ctypes.string_at(name).decode(), [])
                 family = sockaddr and ctypes.c_ushort.from_address(sockaddr).value
-                if spot := {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family):  # in sockaddr_in
+                if spot := {socket.AF_INET: (4, 4), socket.AF_INET6: (8, 16)}.get(family):  # offset, size
                     held.append(socket.inet_ntop(family, ctypes.string_at(sockaddr + spot[0], spot[1])))
             libc.freeifaddrs(head)
             return found
@@ -503,7 +503,7 @@ def gloo_failures(store, rank, args):
 
 
 def averages_in_shared_memory(args, world_size):
-    """One machine, no --allreduce gloo, Linux x86-64: the hook relies on x86-64's store order."""
+    """One machine, --allreduce auto, Linux on x86-64 (average relies on its store order)."""
     linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
     return args.allreduce == "auto" and world_size > 1 and args.num_machines == 1 and linux
 
@@ -518,7 +518,7 @@ def shared_memory_averager(model, rank, world_size, args):
 
 
 class SharedMemoryAverager:
-    """A DDP hook: each rank writes its bucket / world size into shared memory, waits for all, sums them."""
+    """A DDP hook: the ranks meet in shared memory, not over loopback TCP with a sleeping wait (Gloo)."""
 
     def __init__(self, model, rank, world_size, timeout):
         numel = sum(p.numel() for p in model.parameters())  # no DDP bucket is larger than the model
