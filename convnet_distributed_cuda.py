@@ -571,7 +571,7 @@ def claim_port(args):
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
-    # The store has no authentication: a job on one machine serves it on loopback (IPv4: ::1 may be off).
+    # The store is unauthenticated: a one-machine job serves it on loopback (IPv4: ::1 may be off).
     one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
         listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
@@ -598,7 +598,7 @@ def machine0_twice(args):
     """Stops every launch where the port's holder is this job's machine 0 from another launch."""
     me, found = roll_call_record(0, placement(args, 0)[1], args), []
 
-    def ask():  # in a thread: TCPStore waits forever on a program that takes connections, never answers
+    def ask():  # in a thread: TCPStore waits forever on a server that never answers
         with contextlib.suppress(RuntimeError, ValueError):
             store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=5))
             if store.check(["job"]) and not store.check(["ready"]):
@@ -830,7 +830,7 @@ def check_same_data(data, rank, args):
 def abort_job(store, rank, args, line, end=sys.exit):
     """Stops with line, said once per machine; with store, every process of the job stops."""
     if store is not None:
-        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
+        with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it alone
             store.set("abort", line)
     if store is not None or rank == 0:
         time.sleep(1)  # the others look every 0.5 s: let them read the line first
