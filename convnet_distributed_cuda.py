@@ -57,7 +57,6 @@ from torchvision import datasets
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "NCCL"  # the process group's, as the lines that report a failure name it
 TEST_BATCH_SIZE = 1000  # images per forward pass: a GPU does a large batch in about the time of a small one
-RESOLVE_SECONDS = 30  # how long --master-addr may take to resolve: DNS records of new pods appear in seconds
 
 # --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
 DATASETS = {
@@ -548,16 +547,13 @@ def expand_counts(text):
 
 @contextlib.contextmanager
 def rendezvous(rank, world_size, is_master, args, listener):
-    """Wait until machine 0 listens, a failure one line; yield TCPStore's other options: rank 0 serves on
-    claim_port's socket, nobody waits (roll_call does)."""
+    """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
     resolve(args, rank, connect=not is_master)
-    if is_master:  # a launcher's rank 0 claims the port itself
-        listener = listener or claim_port(args)[0]
+    options = {"wait_for_workers": False}  # roll_call waits
+    if is_master and (listener := listener or claim_port(args)[0]):  # a launcher's rank 0 claims it here
+        options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    options = {"wait_for_workers": False}
-    if is_master and listener:  # none on Windows: TCPStore binds for itself
-        options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     try:
         yield options
     except (dist.DistError, OSError) as e:
@@ -566,58 +562,38 @@ def rendezvous(rank, world_size, is_master, args, listener):
 
 
 def claim_port(args):
-    """Machine 0's socket listening on the rendezvous port (or a free one), held so that no other launch takes
-    it, and the port. Windows: no socket, TCPStore binds for itself."""
+    """Machine 0's socket on the rendezvous port (or a free one), held against other launches; the port."""
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
-    # The store has no authentication: a job on one machine serves it on loopback (IPv4: ::1 may be off).
+    # The store is unauthenticated: a one-machine job serves it on loopback (IPv4: ::1 may be off).
     one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
         listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
     except OSError as e:
         if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops
             machine0_twice(args)
-        holder = port_holder(args.master_port) or "another program"
-        sys.exit(
-            f"error: cannot serve the rendezvous on {args.master_addr}:{args.master_port} "
-            f"({os.strerror(e.errno)}): {holder} holds the port: choose a free --master-port"
-            + (", or none for a free one" if args.num_machines == 1 else "")
-        )
-    if os.name != "posix":
+        where = f"{args.master_addr}:{args.master_port} ({os.strerror(e.errno)})"
+        fix = "choose a free --master-port" + (", or none for a free one" if args.num_machines == 1 else "")
+        sys.exit(f"error: cannot serve the rendezvous on {where}: another program holds the port: {fix}")
+    if os.name != "posix":  # Windows: TCPStore binds for itself
         with listener:
             return None, listener.getsockname()[1]
     return listener, listener.getsockname()[1]
 
 
 def listening(port, host=""):
-    """A socket listening on host's port, or every address's (IPv6 and IPv4 where it can, as TCPStore)."""
+    """Listens on host, or on every address (IPv6 and IPv4 where it can, as TCPStore)."""
     dual = not host and socket.has_dualstack_ipv6()
     family = socket.AF_INET6 if dual or ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, dualstack_ipv6=dual)
 
 
-def port_holder(port):
-    """'pid N (its command)' of this host's process listening on port, from /proc (Linux); else None."""
-    sockets, local = set(), f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # number, local address:port (hex), remote, state...
-        with contextlib.suppress(OSError), open(table) as f:
-            rows = [row.split() for row in f]
-            sockets |= {f"socket:[{r[9]}]" for r in rows if r[1].endswith(local) and r[3] == "0A"}
-    for pid in sorted(filter(str.isdigit, os.listdir("/proc") if sockets else ()), key=int):
-        with contextlib.suppress(OSError):
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
-                return f"pid {pid} ({command[:100]})"
-
-
 def machine0_twice(args):
-    """Every launch stops where the port's holder is this job's machine 0 from another launch. Asked in a
-    thread: TCPStore waits forever on a program that takes connections and never answers."""
+    """Stops every launch where the port's holder is this job's machine 0 from another launch."""
     me, found = roll_call_record(0, placement(args, 0)[1], args), []
 
-    def ask():
+    def ask():  # in a thread: TCPStore waits forever on a server that never answers
         with contextlib.suppress(RuntimeError, ValueError):
             store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=5))
             if store.check(["job"]) and not store.check(["ready"]):
@@ -633,28 +609,22 @@ def machine0_twice(args):
 
 
 def resolve(args, rank, connect):
-    """--master-addr's addresses once it resolves (new DNS records take seconds); with connect, once machine 0
-    listens there too (TCPStore's own wait is deaf to signals, and says only that it timed out)."""
-    start = time.monotonic()
+    """--master-addr's addresses once it resolves; with connect, once machine 0 listens (TCPStore's wait is
+    deaf to signals)."""
+    addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
     while True:
         try:
-            found = socket.getaddrinfo(args.master_addr, None, type=socket.SOCK_STREAM)
+            found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
             if connect:
-                socket.create_connection((args.master_addr, args.master_port), timeout=5).close()
+                socket.create_connection((addr, port), timeout=5).close()
             return found
         except socket.gaierror as e:
-            if time.monotonic() > start + min(args.timeout, RESOLVE_SECONDS):
-                sys.exit(
-                    f"error: rank {rank}: --master-addr {args.master_addr} does not resolve ({e.strerror}): "
-                    "give machine 0's address, or a name every machine resolves"
-                )
+            why = f"--master-addr {addr} does not resolve ({e.strerror}): give machine 0's address"
         except OSError as e:
-            if time.monotonic() > start + args.timeout:
-                sys.exit(
-                    f"error: rank {rank}: no answer from machine 0 at {args.master_addr}:{args.master_port} "
-                    f"within --timeout {args.timeout:g} s ({e.strerror or e}): start it, or check "
-                    "--master-addr, --master-port and the firewall"
-                )
+            why = f"no answer from machine 0 at {addr}:{port} within --timeout {args.timeout:g} s"
+            why += f" ({e.strerror or e}): start it, or check --master-addr, --master-port and the firewall"
+        if time.monotonic() > deadline:
+            sys.exit(f"error: rank {rank}: {why}")
         time.sleep(0.5)
 
 
@@ -664,7 +634,6 @@ def is_loopback(address):
 
 
 def torchrun_attempt():
-    """This torchrun attempt's key prefix: the store outlives a restart, which must not read old keys."""
     return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
 
 
@@ -854,33 +823,31 @@ def check_same_data(data, rank, args):
 
 
 def abort_job(store, rank, args, line, end=sys.exit):
-    """Stop with line, said once per machine (by local rank 0); with store, every process of the job stops."""
+    """Stops with line, said once per machine; with store, every process of the job stops."""
     if store is not None:
-        with contextlib.suppress(RuntimeError):  # the store's process is gone: the others learn it alone
+        with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it alone
             store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.5 s or more often: let them read the line first
+        time.sleep(1)  # the others look every 0.5 s: let them read the line first
     if local_rank_of(rank, args) != 0:
-        time.sleep(2)
+        time.sleep(2)  # local rank 0 says the line
         end(1)
     end(line)
 
 
 @contextlib.contextmanager
 def exit_on_abort(rank, args, stderr=2):
-    """Around a wait in C++ (the backend connecting): a line in the store (abort_job) stops this process
-    within a second, read through a store client of its own (the backend's may be blocked)."""
+    """Around a wait in C++: abort_job's line stops this process within a second."""
     done = threading.Event()
 
-    def watch():
+    def watch():  # a store client of its own: the backend's may be blocked
         with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
             store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
-            if args.launcher == "torchrun":
-                store = dist.PrefixStore(torchrun_attempt(), store)
+            store = dist.PrefixStore(torchrun_attempt(), store) if args.launcher == "torchrun" else store
             while not done.wait(0.5):
                 if store.check(["abort"]):
-                    line = store.get("abort").decode(errors="replace").strip()[:2000]
                     os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
+                    line = store.get("abort").decode(errors="replace").strip()[:2000]
                     abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -897,15 +864,13 @@ def local_rank_of(rank, args):
 
 
 def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 checks that it reaches every other machine on a new port, as the backend
-    must: a firewall open on the rendezvous port alone would stall the backend for minutes."""
+    """Each machine's local rank 0 connects to every other on a new port, as the backend will."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
     with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
         near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
-    # Where its backend listens, if this machine published it (None where interfaces cannot be listed).
-    with contextlib.suppress(ValueError, TypeError, LookupError):
+    with contextlib.suppress(ValueError, TypeError, LookupError):  # where Gloo listens, if published
         if store.check([f"machine/{me}"]):
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
     with listening(0) as listener:
@@ -920,12 +885,10 @@ def reach_every_machine(store, rank, args):
                     socket.create_connection((address, port_number(at)), timeout=5).close()
                 store.set(f"probed/{me}", "1")  # listening until the others have tried
                 store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
-        except dist.DistError:  # the store went (the backend will say why), or a machine took no part in 10 s
+        except dist.DistError:  # the store went, or a machine took no part: the backend will say
             return
-        except (ValueError, argparse.ArgumentTypeError):  # port_number(): not in 1-65535
-            abort_job(store, rank, args, (
-                f"error: machine {m} published {value[:80]!r}, not an address, port and host for the "
-                "reachability check: run one copy of this script on every machine"))  # fmt: skip
+        except (ValueError, argparse.ArgumentTypeError):  # port_number's
+            abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
         except OSError as e:
             abort_job(store, rank, args, (
                 f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at "
