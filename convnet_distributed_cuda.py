@@ -340,24 +340,20 @@ def build_parser():
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
     add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder: DIR/MNIST/raw (default: ./data)", metavar="DIR", default="./data")
+    add("--data-dir", "data folder, DIR/MNIST/raw (default: ./data)", metavar="DIR", default="./data")
     add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
     add("--threads", "threads per process (default: OMP_NUM_THREADS or cores/processes)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here each epoch (default: none)", metavar="PATH")
+    add("--checkpoint", "save the model and optimizer each epoch (default: none)", metavar="PATH")
     add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
-    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
+    add("--metrics-json", "the run's figures as JSON (default: none)", metavar="PATH")
     add("--num-machines", "machines in the job (default: 1)", type=positive_int)
     add("--num-gpu-processes", "processes here, one per GPU from 0 (default: every GPU)", type=positive_int)
     add("--machine-id", "this machine's index, 0 to N-1 (default: 0)", type=int)
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)", type=host)
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
-    add(
-        "--compress",
-        "gradients sent as bf16 or PowerSGD's low rank (default: none)",
-        choices=["none", "bf16", "powersgd"],
-        default="none",
-    )
+    add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
+        choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
     return p
