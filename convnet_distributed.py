@@ -1555,7 +1555,7 @@ def host(text):
 
 
 def usable_cores():
-    """Cores this process may use, and what capped them ("" where nothing did; task/none pins no task)."""
+    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -1582,7 +1582,7 @@ def cgroup_cpus():
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where unset or empty (`VAR=` means unset, as to most launchers)."""
+    """An environment variable, or default where unset or empty: `VAR=` means unset."""
     return os.environ.get(name) or default
 
 
