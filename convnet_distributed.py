@@ -369,7 +369,7 @@ def build_parser():
     add("--metrics-json", "the run's figures as JSON (default: none)", metavar="PATH")
     add("--num-machines", "machines in the job (default: 1)", type=positive_int)
     add("--num-processes", "processes on this machine (default: 1)", type=positive_int)
-    add("--machine-id", "this machine's index, 0 to N-1 (default: 0)", type=int)
+    add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)", type=host)
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
     add("--allreduce", "gloo: no shared memory (default: auto)", choices=["auto", "gloo"], default="auto")
