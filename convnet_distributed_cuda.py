@@ -329,57 +329,47 @@ def parse_args(argv=None):
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def add(flag, help, **options):  # a flag of two words takes the article's spelling too: --batch_size
+    def add(flag, help, **options):  # --batch-size takes the article's --batch_size too
         if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
             options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
-    # fmt: off
     add("--epochs", "epochs to train (default: 1)", type=positive_int, default=1)
-    add("--batch-size", "images per batch in each process: the global batch is this x world size "
-        "(default: 64)", type=positive_int, default=64)
+    add("--batch-size", "images per batch, per process (default: 64)", type=positive_int, default=64)
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
     add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder, torchvision's layout: DIR/MNIST/raw (default: ./data)", metavar="DIR",
-        default="./data")
+    add("--data-dir", "data folder, DIR/MNIST/raw (default: ./data)", metavar="DIR", default="./data")
     add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
-    add("--threads", "intra-op threads per process (default: OMP_NUM_THREADS if set, else the usable cores "
-        "shared out between this machine's processes)", type=positive_int)
+    add("--threads", "threads per process (default: OMP_NUM_THREADS or cores/processes)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
+    add("--checkpoint", "save the model and optimizer each epoch (default: none)", metavar="PATH")
     add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
-    add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
+    add("--metrics-json", "the run's figures as JSON (default: none)", metavar="PATH")
     add("--num-machines", "machines in the job (default: 1)", type=positive_int)
-    add("--num-gpu-processes", "processes on this machine, one per GPU, GPUs 0 to N-1 (default: every "
-        "visible GPU)", type=positive_int)
-    add("--machine-id", "this machine's index, 0 to --num-machines - 1 (default: 0)", type=int)
-    add("--master-addr", "machine 0's address (default: MASTER_ADDR if set, else 127.0.0.1)", type=host)
-    add("--master-port", "machine 0's free TCP port (default: MASTER_PORT if set, else a free port for a job "
-        "on one machine, 8892 across machines)", type=port_number)
-    add("--compress", "gradients sent over the network: bf16 halves the bytes, powersgd sends a low-rank "
-        "approximation, 1/15 of them (default: none)", choices=["none", "bf16", "powersgd"], default="none")
-    add("--timeout", "seconds a process waits for its peers (default: 300)", type=positive_float, default=300)
-    add("--check", "make the group as a real run would, average once and exit: a check before a long job "
-        "(default: off)", action="store_true")
-    # fmt: on
+    add("--num-gpu-processes", "processes here, one per GPU from 0 (default: every GPU)", type=positive_int)
+    add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
+    add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)", type=host)
+    add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
+    add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
+        choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
+    add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
+    add("--check", "make the group, average once, exit (default: off)", action="store_true")
     return p
 
 
 def processes_flag():
-    """The flag for the processes on this machine, and its default."""
-    return "num_gpu_processes", max(1, torch.cuda.device_count())
+    return "num_gpu_processes", max(1, torch.cuda.device_count())  # the flag, and its default
 
 
 def placement(args, local_rank):
-    """(rank, world size, processes on this machine): the one place they are worked out."""
+    """(rank, world size, processes on this machine)."""
     rank = args.machine_id * args.num_gpu_processes + local_rank if args.rank is None else args.rank
     return rank, args.world_size, args.num_gpu_processes
 
 
 def start_method():
-    """spawn: CUDA cannot run in a forked child of a process that has used it, as the launcher has."""
-    return "spawn"
+    return "spawn"  # CUDA cannot run in a forked child of a process that has used it, as the launcher has
 
 
 # ---- M2. GPUs and NCCL -------------------------------------------------------------------------------------
@@ -451,67 +441,62 @@ def match_gradient_strides(model):
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 
 
-# Launchers that start the processes themselves, the first whose rank, world size and local rank are set
-# winning (torchrun and mpirun pass SLURM's on): the variables of rank, world size, local rank, local size,
-# machine and machines (-: none), those naming one launch (srun's tasks alone have SLURM_STEP_*), the command.
+# The first launcher whose rank, world size and local rank are set wins (torchrun, mpirun pass SLURM's on).
+# Its variables of rank, world size, local rank, local size, machine, machines (-: none); of the launch.
 LAUNCHERS = {
-    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID",
-                 "torchrun"),
+    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID"),
     "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
-                 "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE", "mpirun"),
-    "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", "", "mpiexec"),  # and Intel MPI: Hydra
+                 "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE"),
+    "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", ""),  # and Intel MPI: Hydra
     "MVAPICH": ("MV2_COMM_WORLD_RANK MV2_COMM_WORLD_SIZE MV2_COMM_WORLD_LOCAL_RANK "
-                "MV2_COMM_WORLD_LOCAL_SIZE - -", "", "mpirun"),
+                "MV2_COMM_WORLD_LOCAL_SIZE - -", ""),
     "SLURM": ("SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID SLURM_STEP_TASKS_PER_NODE SLURM_NODEID "
-              "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID SLURM_STEP_ID", "srun"),
+              "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID SLURM_STEP_ID"),  # srun's tasks alone have SLURM_STEP_*
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
-    "RANK and WORLD_SIZE": ("RANK WORLD_SIZE - - RANK WORLD_SIZE", "", ""),
+    "RANK and WORLD_SIZE": ("RANK WORLD_SIZE - - RANK WORLD_SIZE", ""),
 }  # fmt: skip
 
 
 def fill_layout(parser, args):
     """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's."""
-    found = (n for n, (v, _, _) in LAUNCHERS.items() if all(x == "-" or getenv(x) for x in v.split()[:3]))
+    found = (n for n, (v, _) in LAUNCHERS.items() if all(x == "-" or getenv(x) for x in v.split()[:3]))
     name = next(found, None)
-    spec, launch, command = LAUNCHERS.get(name, ("- - - - - -", "", ""))
-    variables = spec.split()
+    names, launch = LAUNCHERS.get(name, ("- - - - - -", ""))
+    names = names.split()
 
-    def number(variable, default, index=0):
-        text = getenv(variable) if variable != "-" else None
+    def number(variable, default, index=0):  # SLURM's counts per node (2(x2),1): this node's
+        text = getenv(variable)
         try:
             return default if text is None else int(text) if text.isdigit() else expand_counts(text)[index]
         except (ValueError, IndexError):
             parser.error(f"{name} set {variable}={text!r}, which is not a whole number")
 
-    rank, world_size, local_rank = (number(v, d) for v, d in zip(variables, (0, 1, 0)))
-    machine = number(variables[4], None)
-    local_size = number(variables[3], 1, index=machine or 0)
+    rank, world_size, local_rank = (number(v, d) for v, d in zip(names, (0, 1, 0)))
+    machine = number(names[4], None)
+    local_size = number(names[3], 1, index=machine or 0)
     machine = rank // local_size if machine is None else machine
-    machines = number(variables[5], -(-world_size // local_size))
+    machines = number(names[5], -(-world_size // local_size))
     own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
-    mpi = name is not None and variables[4] == "-"  # no machine index: the roll call tells machines by host
-    env = name == "RANK and WORLD_SIZE"
-    who = f"RANK={rank} WORLD_SIZE={world_size} in the environment (one process per launch)" if env else name
+    mpi = name is not None and names[4] == "-"  # no machine index: the roll call tells machines by host
     addr, port = host(getenv("MASTER_ADDR", "")) or None, getenv("MASTER_PORT")
-    # env:// serves its store at MASTER_ADDR:MASTER_PORT: a flag must agree. Elsewhere they are defaults.
-    said = {"master_addr": addr, "master_port": port} if variables[0] == "RANK" else {}
+    said = {"master_addr": addr, "master_port": port} if names[0] == "RANK" else {}  # env://'s store is there
     if name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
         addr = addr or first_host(getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost"))
         port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
     if mpi and machines > 1 and not (args.master_addr or addr):
         fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
-        parser.error(f"{who} runs this job on {machines} machines: {fix}")
-    processes, default_processes = processes_flag()
-    if name is not None:
+        parser.error(f"{name} runs this job on {machines} machines: {fix}")
+    processes, default = processes_flag()
+    if name:
         said.update({"num_machines": machines, "machine_id": machine, processes: None if own else local_size})
     port = port or (0 if name is None and (args.num_machines or 1) == 1 else 8892)  # 0: free (claim_port)
-    defaults = {processes: default_processes, "num_machines": 1, "machine_id": 0}
-    for key, default in {**defaults, "master_addr": addr or "127.0.0.1", "master_port": port}.items():
+    defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
+    for key, default in {**defaults, "master_port": port}.items():
         given = getattr(args, key)
         if None not in (given, said.get(key)) and str(given) != str(said[key]):
-            fix = f"give {command} the same" if command else "unset RANK and WORLD_SIZE"
+            fix = "unset RANK and WORLD_SIZE" if name == "RANK and WORLD_SIZE" else f"give {name} the same"
             flag = f"--{key.replace('_', '-')} {given}"
-            parser.error(f"{flag} disagrees with {who}, which set {said[key]}: drop the flag, or {fix}")
+            parser.error(f"{flag} disagrees with {name}, which set {said[key]}: drop the flag, or {fix}")
         setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
     try:  # MASTER_PORT, unchecked so far
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
@@ -1307,7 +1292,7 @@ def peak_memory_mib():
 
 
 def complete_args(parser, args):
-    """Fill in what the flags leave open (fill_layout), and check what parse_args cannot check alone."""
+    """The layout (fill_layout), then the checks argparse cannot make alone."""
     fill_layout(parser, args)
     rank, _, processes = placement(args, 0)
     if not 0 <= args.machine_id < args.num_machines:
@@ -1316,26 +1301,25 @@ def complete_args(parser, args):
         if args.resume and not args.checkpoint:
             parser.error("--resume needs --checkpoint PATH")
         for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-            folder = os.path.dirname(os.path.abspath(path)) if path else None
-            if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            folder = os.path.dirname(os.path.abspath(path or "."))
+            if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
                 parser.error(f"{flag}: cannot write to folder {folder}")
     if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
         parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    omp = getenv("OMP_NUM_THREADS", "").split(",")[0]  # OpenMP's list per nesting level (4,2): the outer's
+    omp = getenv("OMP_NUM_THREADS", "")
     cores, capped_by = usable_cores()
     args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
-    try:
-        args.threads = args.threads or (positive_int(omp) if omp else max(1, cores // processes))
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
     except (ValueError, argparse.ArgumentTypeError):
-        omp = f"OMP_NUM_THREADS={getenv('OMP_NUM_THREADS')!r} in the environment is not a count of threads"
-        parser.error(f"{omp} (such as 4, or 4,2 per nesting level): fix it, or pass --threads")
-    args.machine_sizes, args.machine_of = [processes] * args.num_machines, None  # a launcher's: the roll call
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    args.machine_sizes = [processes] * args.num_machines  # a launcher's: the roll call counts them
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
-        """A mistake on the command line gets one line naming the flag, not a usage block first."""
-        for action in self._actions:  # a flag with two spellings is named by the first: --batch-size
+        """One line naming the flag, not a usage block first."""
+        for action in self._actions:  # a flag of two spellings is named by its first: --batch-size
             message = message.replace("/".join(action.option_strings), action.option_strings[0])
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -1359,13 +1343,11 @@ def port_number(text):
 
 
 def host(text):
-    """A host name or address; an IPv6 address may come in brackets, as in URLs: [fd00::1]."""
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    return text.strip("[]")  # an IPv6 address may come in brackets, as in URLs: [fd00::1]
 
 
 def usable_cores():
-    """Cores this process may use, and what capped them ("" where nothing did): SLURM_CPUS_PER_TASK too, as
-    SLURM's task/none does not pin a task to them."""
+    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -1381,19 +1363,18 @@ def cgroup_cpus():
             v1 = "cpu" in controllers.split(",")
             for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+                texts = []
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    texts = []
-                    for name in files:
-                        with open(f"{folder}/{name}") as quota_file:
-                            texts.append(quota_file.read())
+                    for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
+                        with open(f"{folder}/{name}") as file:
+                            texts.append(file.read())
                     quota, period = map(int, "".join(texts).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where unset or empty (`VAR=` means unset, as to most launchers)."""
+    """An environment variable, or default where unset or empty: `VAR=` means unset."""
     return os.environ.get(name) or default
 
 

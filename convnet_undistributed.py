@@ -278,8 +278,8 @@ def parse_args(argv=None):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):
-        """A mistake on the command line gets one line naming the flag, not a usage block first."""
-        for action in self._actions:  # a flag with two spellings is named by the first: --batch-size
+        """One line naming the flag, not a usage block first."""
+        for action in self._actions:  # a flag of two spellings is named by its first: --batch-size
             message = message.replace("/".join(action.option_strings), action.option_strings[0])
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -321,14 +321,13 @@ def positive_float(text):
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where it is unset or empty: an empty one means unset."""
+    """An environment variable, or default where unset or empty: `VAR=` means unset."""
     return os.environ.get(name) or default
 
 
 # ---- Machinery: speed and robustness (a first reading may skip it)
 def usable_cores():
-    """The cores this process may use, and what capped them ("" where nothing did): its affinity mask, a
-    cgroup's CPU quota (invisible to the core count), SLURM_CPUS_PER_TASK (task/none pins nothing)."""
+    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
@@ -344,12 +343,11 @@ def cgroup_cpus():
             v1 = "cpu" in controllers.split(",")
             for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                files = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+                texts = []
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    texts = []
-                    for name in files:
-                        with open(f"{folder}/{name}") as quota_file:
-                            texts.append(quota_file.read())
+                    for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
+                        with open(f"{folder}/{name}") as file:
+                            texts.append(file.read())
                     quota, period = map(int, "".join(texts).split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota

@@ -159,9 +159,9 @@ def test_flags_that_disagree_with_torchrun_are_reported(clean_env, monkeypatch, 
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--num-processes", "4"], "--num-processes 4 disagrees with RANK=1 WORLD_SIZE=2 in the environment"),
-        (["--num-machines", "3"], "--num-machines 3 disagrees with RANK=1 WORLD_SIZE=2"),
-        (["--machine-id", "0"], "--machine-id 0 disagrees with RANK=1 WORLD_SIZE=2"),
+        (["--num-processes", "4"], "--num-processes 4 disagrees with RANK and WORLD_SIZE, which set 1"),
+        (["--num-machines", "3"], "--num-machines 3 disagrees with RANK and WORLD_SIZE, which set 2"),
+        (["--machine-id", "0"], "--machine-id 0 disagrees with RANK and WORLD_SIZE, which set 1"),
     ],
 )
 def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
