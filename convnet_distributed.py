@@ -1107,6 +1107,9 @@ def reach_every_machine(store, rank, args):
 
 # ---- S5. --check, and compression for slow links -----------------------------------------------------------
 
+# PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
+POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+
 
 def check_group(world_size, device, args):
     """One all-reduce; across machines, a step's computing timed against its gradients' average."""
@@ -1137,10 +1140,6 @@ def check_group(world_size, device, args):
     line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
     slow = network > compute / 2 and args.compress != "powersgd"
     print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
-
-
-# PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
-POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
 
 
 def compression_words(compress):
@@ -1250,7 +1249,7 @@ def save_on_rank0(path, write):
 def write_atomically(path, write):
     """Write path whole or not at all, in its own mode or open()'s; returns None or why not."""
     buffer, temporary = io.BytesIO(), f"{path}.{os.urandom(8).hex()}.tmp"  # not the PID: pods share disks
-    write(buffer)  # first: a full disk then fails below, as an OSError
+    write(buffer)  # in memory: a full disk fails below, as an OSError
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())

@@ -399,7 +399,7 @@ def raise_on_signals(ctrl_c):
 def write_atomically(path, write):
     """Write path whole or not at all, in its own mode or open()'s; returns None or why not."""
     buffer, temporary = io.BytesIO(), f"{path}.{os.urandom(8).hex()}.tmp"  # not the PID: pods share disks
-    write(buffer)  # first: a full disk then fails below, as an OSError
+    write(buffer)  # in memory: a full disk fails below, as an OSError
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
