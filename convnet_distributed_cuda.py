@@ -884,21 +884,24 @@ def reach_every_machine(store, rank, args):
 
 # ---- S5. --check, and compression for slow links -----------------------------------------------------------
 
+# PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
+POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+
 
 def check_group(world_size, device, args):
-    """--check: one all-reduce; across machines, time a step's computing against its gradient average."""
+    """One all-reduce; across machines, a step's computing timed against its gradients' average."""
     total = torch.ones(1, device=device)
-    dist.all_reduce(total)  # every process adds its 1: each reached all the others
+    dist.all_reduce(total)  # every process adds its 1
     if total.item() != world_size:
         sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
     machines = plural(args.num_machines, "machine")
     print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
-    if args.num_machines == 1:  # no network to time
+    if args.num_machines == 1:
         return
     model = ConvNet().to(device, memory_format=torch.channels_last)
     grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
-    for _ in range(3):  # the median shrugs off the first's set-up; .item() waits for a GPU
+    for _ in range(3):  # the median skips the first's set-up; .item() waits for a GPU
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = model(images).sum()
@@ -908,19 +911,12 @@ def check_group(world_size, device, args):
         dist.all_reduce(grads)
         grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
-    slowest = torch.tensor(seconds, device=device).median(dim=0).values  # each rank's median, then the max
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    slowest = torch.tensor(seconds, device=device).median(dim=0).values
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's
     compute, network = (round(1000 * s) for s in slowest.tolist())
+    line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
     slow = network > compute / 2 and args.compress != "powersgd"
-    print0(
-        f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms, a step's "
-        f"computing ~{compute} ms"
-        + (": the network slows each step: consider --compress powersgd" if slow else "")
-    )
-
-
-# --compress powersgd: its rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
-POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+    print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
 
 
 def compression_words(compress):
@@ -929,10 +925,10 @@ def compression_words(compress):
 
 
 def compress_gradients(ddp_model, compress):
-    """--compress: torch's hook. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
+    """Torch's hooks. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
     if compress == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if compress == "powersgd":  # in one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
+    if compress == "powersgd":  # one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
         state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
         ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
@@ -941,47 +937,44 @@ def compress_gradients(ddp_model, compress):
 
 
 def raw_folder(args):
-    """torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
 def resume(model, optimizer, args):
-    """Returns the epoch to start from. Rank 0 reads --checkpoint (it may be on machine 0 alone) and sends it,
-    or why not, to all: an error stops every rank."""
+    """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
     try:
         sent = [read_checkpoint(args) if dist.get_rank() == 0 else None, None]
     except ValueError as e:
         sent = [None, str(e)]
     dist.broadcast_object_list(sent, src=0)
     state, error = sent
-    if state:
-        try:
+    try:
+        if state:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
+    except (RuntimeError, ValueError, KeyError) as e:
+        error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
     if error:
         sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
     if not state:
         print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
         return 0
-    epoch, group = state["epoch"] + 1, optimizer.param_groups[0]
-    print0(f"Resuming from {args.checkpoint}: epoch {epoch - 1} done, starting epoch {epoch}")
-    if group["lr"] != args.lr:  # --lr wins over the saved rate, as every flag of a resumed run does
+    done, group = state["epoch"], optimizer.param_groups[0]
+    print0(f"Resuming from {args.checkpoint}: epoch {done} done, starting epoch {done + 1}")
+    if group["lr"] != args.lr:  # --lr wins, as every flag of a resumed run does
         print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
     group["lr"] = args.lr
-    return epoch
+    return done + 1
 
 
 def prepare_data(args):
-    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
-    into place: a shared --data-dir never holds a half-written file."""
+    """Unpack .gz files placed by hand, else download; each file is renamed into place whole."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
     for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
             try:  # a stop (Ctrl-C, SIGTERM) goes on up
-                with gzip.open(path + ".gz", "rb") as src:
+                with gzip.open(path + ".gz") as src:
                     error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
             except Exception as e:
                 error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
@@ -990,25 +983,24 @@ def prepare_data(args):
     if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
-    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
-    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
+    socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
-        cls(private, download=True)
-        for path in paths:  # a rename within one file system is atomic, NFS included
-            os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
+            cls(private, download=True)
+            for path in paths:  # atomic within one file system, NFS included
+                os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
+        names = ", ".join(map(os.path.basename, paths)) + " (gzipped or not)"
         sys.exit(
-            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
-            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
+            f"error: {args.dataset} is not in {folder}/, downloading failed ({reason}): put {names} there"
         )
     finally:
         socket.setdefaulttimeout(None)
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
+    """The checkpoint, or None where there is none yet; a bad one raises ValueError."""
     path = args.checkpoint
     if not os.path.exists(path):
         return None
@@ -1024,7 +1016,7 @@ def read_checkpoint(args):
 
 
 def save_on_rank0(path, write):
-    """Rank 0 writes path whole or not at all; where it cannot, every rank stops, rank 0 saying why."""
+    """Rank 0 writes path whole or not at all; if it cannot, every rank stops."""
     error = [write_atomically(path, write) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(error, src=0)
     if error[0]:
@@ -1032,11 +1024,9 @@ def save_on_rank0(path, write):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
-    or the line saying why not."""
-    buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
-    write(buffer)  # into memory first: a full disk then fails below, as an OSError
-    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
+    """Write path whole or not at all, in its own mode or open()'s; returns None or why not."""
+    buffer, temporary = io.BytesIO(), f"{path}.{os.urandom(8).hex()}.tmp"  # not the PID: pods share disks
+    write(buffer)  # in memory: a full disk fails below, as an OSError
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
@@ -1045,12 +1035,6 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
     except OSError as e:
         return f"error: cannot write {path} ({e.strerror or e}); old file kept: free space or write elsewhere"
     finally:
@@ -1059,17 +1043,17 @@ def write_atomically(path, write):
 
 
 def file_version(path):
-    """Tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
-    with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
+    """None if absent; a rename puts a new inode in place."""
+    with contextlib.suppress(OSError, TypeError):
         found = os.stat(path)
         return found.st_ino, found.st_mtime_ns, found.st_size
 
 
 def checkpoint_note(path, before):
-    """What an interrupted run's line says of --checkpoint, against its version at launch."""
+    """The interrupt line's words on --checkpoint, against its version at launch."""
+    now = file_version(path)
     if path is None:
         return ""
-    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

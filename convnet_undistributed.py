@@ -60,14 +60,13 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def prepare_data(args):
-    """Unpack the .gz files placed by hand, else download into a folder of this run's own and rename each file
-    into place: a shared --data-dir never holds a half-written file."""
+    """Unpack .gz files placed by hand, else download; each file is renamed into place whole."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
     for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
             try:  # a stop (Ctrl-C, SIGTERM) goes on up
-                with gzip.open(path + ".gz", "rb") as src:
+                with gzip.open(path + ".gz") as src:
                     error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
             except Exception as e:
                 error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
@@ -76,25 +75,23 @@ def prepare_data(args):
     if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
-    private = tempfile.mkdtemp(prefix=".download-", dir=args.data_dir)
-    socket.setdefaulttimeout(30)  # a network that drops packets fails in seconds, not minutes
+    socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
-        cls(private, download=True)
-        for path in paths:  # a rename within one file system is atomic, NFS included
-            os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
+            cls(private, download=True)
+            for path in paths:  # atomic within one file system, NFS included
+                os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
+        names = ", ".join(map(os.path.basename, paths)) + " (gzipped or not)"
         sys.exit(
-            f"error: {args.dataset} is not in {folder}/ and downloading it failed ({reason}): "
-            f"put {', '.join(map(os.path.basename, paths))} there (gzipped or not)"
+            f"error: {args.dataset} is not in {folder}/, downloading failed ({reason}): put {names} there"
         )
     finally:
         socket.setdefaulttimeout(None)
-        shutil.rmtree(private, ignore_errors=True)
 
 
 def raw_folder(args):
-    """torchvision's layout: DIR/MNIST/raw, DIR/FashionMNIST/raw."""
     return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
@@ -222,7 +219,7 @@ def resume(model, optimizer, args):
 
 
 def read_checkpoint(args):
-    """The checkpoint to resume from, or None where there is none yet; anything else is a ValueError."""
+    """The checkpoint, or None where there is none yet; a bad one raises ValueError."""
     path = args.checkpoint
     if not os.path.exists(path):
         return None
@@ -398,11 +395,9 @@ def raise_on_signals(ctrl_c):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, flushed, in its own mode or open()'s (not mkstemp's 0600); returns None
-    or the line saying why not."""
-    buffer, folder = io.BytesIO(), os.path.dirname(os.path.abspath(path))
-    write(buffer)  # into memory first: a full disk then fails below, as an OSError
-    temporary = os.path.join(folder, f".tmp-{os.urandom(8).hex()}")  # not the PID's: pods share --data-dir
+    """Write path whole or not at all, in its own mode or open()'s; returns None or why not."""
+    buffer, temporary = io.BytesIO(), f"{path}.{os.urandom(8).hex()}.tmp"  # not the PID: pods share disks
+    write(buffer)  # in memory: a full disk fails below, as an OSError
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
@@ -411,12 +406,6 @@ def write_atomically(path, write):
         if os.path.exists(path):
             shutil.copymode(path, temporary)
         os.replace(temporary, path)
-        with contextlib.suppress(OSError):  # the folder too, for the rename (not on Windows)
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
     except OSError as e:
         return f"error: cannot write {path} ({e.strerror or e}); old file kept: free space or write elsewhere"
     finally:
@@ -425,17 +414,17 @@ def write_atomically(path, write):
 
 
 def file_version(path):
-    """Tells one version of a file from the next (a rename puts a new inode in place); None if absent."""
-    with contextlib.suppress(OSError, TypeError):  # TypeError: no --checkpoint
+    """None if absent; a rename puts a new inode in place."""
+    with contextlib.suppress(OSError, TypeError):
         found = os.stat(path)
         return found.st_ino, found.st_mtime_ns, found.st_size
 
 
 def checkpoint_note(path, before):
-    """What an interrupted run's line says of --checkpoint, against its version at launch."""
+    """The interrupt line's words on --checkpoint, against its version at launch."""
+    now = file_version(path)
     if path is None:
         return ""
-    now = file_version(path)
     if now is None:
         return f"; no epoch completed, so nothing was saved to {path}"
     if now == before:

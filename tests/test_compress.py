@@ -217,7 +217,7 @@ def test_check_on_a_slow_link_names_the_flag(slow_network, data_dir, tmp_path):
     assert [r.returncode for r in results] == [0, 0], results
     last = results[0].stdout.splitlines()[-1]
     assert last.startswith("Network: averaging the gradients (1.2 MB) takes ~"), results[0].stdout
-    assert last.endswith("step: consider --compress powersgd"), last
+    assert last.endswith(" ms: consider --compress powersgd"), last
     network_ms = int(last.split("takes ~")[1].split(" ms")[0])
     assert 700 < network_ms < 10_000, last  # 1.2 MB each way at 10 Mbit/s: about 1 s
 

@@ -517,7 +517,7 @@ convnet_distributed.write_atomically({str(ck)!r}, lambda f: f.write(b"x" * 10000
     writer.kill()
     writer.wait(timeout=30)
     assert torch.load(ck, weights_only=True) == {"epoch": 3}
-    assert [p.stat().st_size for p in tmp_path.glob(".tmp-*")] == [
+    assert [p.stat().st_size for p in tmp_path.glob("ck.pt.*.tmp")] == [
         100000
     ]  # it was killed mid-write, not before
 

@@ -134,7 +134,7 @@ def test_a_full_disk_in_the_gpu_script_is_one_line(tmp_path):
 @pytest.mark.parametrize("script", [convnet_undistributed, convnet_distributed, convnet_distributed_cuda])
 def test_files_written_get_the_mode_of_a_plain_open_and_keep_their_own(script, tmp_path, monkeypatch):
     """NamedTemporaryFile once made every checkpoint and metrics file 0600: unreadable to teammates and
-    evaluation jobs on shared storage; a file made readable lost it next epoch. The folder is flushed."""
+    evaluation jobs on shared storage; a file made readable lost it next epoch. The file is flushed."""
     synced = []
     fsync = os.fsync
     monkeypatch.setattr(
@@ -150,7 +150,7 @@ def test_files_written_get_the_mode_of_a_plain_open_and_keep_their_own(script, t
         assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_bytes() == b"two"
     finally:
         os.umask(old_umask)
-    assert synced == [False, True, False, True]  # the file, then its folder, each time
+    assert synced == [False, False]  # the file, each time
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
