@@ -193,7 +193,7 @@ def join_group(rank, world_size, args, listener=None):
     # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
     # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    timeout = timedelta(seconds=args.timeout)  # the wait for the others, collectives too
+    timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
     with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
         store = dist.TCPStore(
             args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
@@ -264,7 +264,7 @@ def main(argv=None):
     with exit_on_signal(args):  # Ctrl-C or SIGTERM stops all this launch's processes, in one line
         if args.rank is not None:  # a launcher started this process as one rank
             return worker(args.local_rank, args, None)
-        # Rank 0's rendezvous port, held; a one-machine job given none takes a free one.
+        # Hold rank 0's rendezvous port; a one-machine job given none takes a free one: jobs never meet.
         listener, port = claim_port(args)
         job = job_record(args, master_port=port)
         if not args.check:  # once per machine: workers fetching into one folder would race
