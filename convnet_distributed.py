@@ -5,9 +5,9 @@ Each machine runs this script once; it starts --num-processes workers, each trai
 its shard while DDP averages the gradients. --batch-size is per process: the global batch is it x world size.
     python convnet_distributed.py --num-processes 2 --batch-size 64
 Two machines, one launch each, both naming machine 0's address:
-    python convnet_distributed.py --num-machines 2 --machine-id 0 --num-processes 8 --master-addr 10.0.0.1
-    python convnet_distributed.py --num-machines 2 --machine-id 1 --num-processes 8 --master-addr 10.0.0.1
-Under torchrun, which starts the processes itself:
+    python convnet_distributed.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1
+    python convnet_distributed.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1
+Under torchrun, which starts the processes:
     torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
 """
 
@@ -38,8 +38,8 @@ import uuid
 from datetime import timedelta
 from multiprocessing import resource_tracker
 
-LAUNCH_TIME = time.time()  # before torch's import: total_seconds counts it, as the user waits for it
-# c10d and Gloo log each failure in C++ with stack traces; this script reports each in one line instead.
+LAUNCH_TIME = time.time()  # before torch's import: total_seconds counts it
+# c10d and Gloo log failures in C++ with stack traces; the script reports each in one line.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch
 import torch.distributed as dist
@@ -51,26 +51,21 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-# Imported before any process group exists: after, Gloo's threads can abort the exit (docs/compat.md).
+# Imported before any process group: else Gloo's threads can abort the exit (docs/compat.md).
 from torchvision import datasets
 
-# ---- 1. Constants ------------------------------------------------------------------------------------------
-
-
+# ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
-BACKEND = "Gloo"  # the process group's, as the lines that report a failure name it
-TEST_BATCH_SIZE = 128  # test images per forward pass: a small batch keeps its activations in a CPU's cache
-
-# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+BACKEND = "Gloo"  # as failure lines name it
+TEST_BATCH_SIZE = 128  # small: on a CPU its activations stay in cache
+# --dataset: its class, and the mean and std of its training pixels in [0, 1]
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
     "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
 }
 
 
-# ---- 2. The model ------------------------------------------------------------------------------------------
-
-
+# ---- 2. The model
 class ConvNet(nn.Module):
     """Two 3x3 convolutions, max-pool, two linear layers; log-probabilities of 10 classes."""
 
@@ -84,108 +79,91 @@ class ConvNet(nn.Module):
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2))
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(x, 1))))
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# ---- 3. Data -----------------------------------------------------------------------------------------------
-
-
+# ---- 3. Data
 def load_data(args):
-    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N], to slice batches from."""
     cls = DATASETS[args.dataset][0]
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        sys.exit(
-            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-            "a file there is damaged: replace it"
-        )
+        where = f"{args.dataset} from {raw_folder(args)}/"
+        sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
     return train.data, train.targets, test.data, test.targets
 
 
 def to_input(images, dataset):
-    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28]: the values of ToTensor() then Normalize()."""
+    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28], as ToTensor() then Normalize() give."""
     _, mean, std = DATASETS[dataset]
     return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
 
 
 def epoch_batches(sampler, epoch, batch_size):
-    """This rank's batches of an epoch, as index tensors: the sampler picks the shard and its order. The same
-    batches as DataLoader(dataset, batch_size, sampler=DistributedSampler(...)), without per-image work."""
-    sampler.set_epoch(epoch)  # without it every epoch repeats the first epoch's order
+    """This rank's batches, as index tensors: a DataLoader's with this sampler, minus per-image work."""
+    sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
     return torch.tensor(list(sampler)).split(batch_size)
 
 
-# ---- 4. Train and evaluate ---------------------------------------------------------------------------------
-
-
+# ---- 4. Train and evaluate
 def train(model, optimizer, data, rank, world_size, args):
-    """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then report."""
+    """Each epoch: train on this rank's shard, evaluate, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     ddp_model, allreduce = data_parallel(model, rank, world_size, args)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, allreduce))
-    sampler = DistributedSampler(
-        train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
-    )
-    train_seconds, history = 0.0, []
+    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
+    seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
-        # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
+        # Each rank its own dropout masks; a resumed run an unbroken run's.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         batches = epoch_batches(sampler, epoch, args.batch_size)
-        # Every rank arrives here in step: DDP's set-up and the last epoch's evaluation synchronise.
+        # Ranks in step here: DDP's set-up and each evaluation synchronise them.
         start = time.perf_counter()
         train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
-        train_seconds += time.perf_counter() - start
-        dist.all_reduce(train_loss)  # each rank saw its own shard: the sum over ranks, averaged below
-        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
+        seconds += time.perf_counter() - start
+        dist.all_reduce(train_loss)  # the sum of the ranks' mean losses
+        test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
         release_freed_memory()
-        accuracy = f"{round(test_accuracy * n_test)}/{n_test} ({100 * test_accuracy:.2f}%)"
-        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
+        correct = f"{round(accuracy * n_test)}/{n_test} ({accuracy:.2%})"
+        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {correct}")
         loss = train_loss.item() / world_size
-        history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=test_accuracy))
+        history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=accuracy))
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
-        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
-    test = test_loss, test_accuracy, n_test
-    averaging = {"allreduce": allreduce, "compress": args.compress if allreduce == "gloo" else "none"}
-    report(
-        run_figures(args, device, world_size, history, train_seconds, len(train_labels), test, **averaging),
-        args,
-    )
+        test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
+    test = test_loss, accuracy, n_test
+    averaging = dict(allreduce=allreduce, compress=args.compress if allreduce == "gloo" else "none")
+    figures = run_figures(args, device, world_size, history, seconds, len(train_labels), test, **averaging)
+    report(figures, args)
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
-    """One pass over this rank's batches; returns this rank's mean training loss (a tensor)."""
+    """One pass over this rank's batches; returns its mean training loss (a tensor)."""
     model.train()
-    loss_sum = torch.zeros((), device=images.device)
+    loss_sum, n = torch.zeros((), device=images.device), len(batches)
     for i, idx in enumerate(batches):
-        x, y = to_input(images[idx], args.dataset), labels[idx]
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = F.nll_loss(model(x), y)
+        with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(to_input(images[idx], args.dataset)), labels[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over all ranks here, bucket by bucket
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            progress = f"[{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]"
+            progress = f"[{i}/{n} ({100.0 * i / n:.0f}%)]"
             print0(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}")
-    return loss_sum / len(batches)
+    return loss_sum / n
 
 
 def evaluate(model, images, labels, rank, world_size, args):
-    """Loss and accuracy over the whole test set. Rank r takes images r, r + world size, ...:
-    every image is counted exactly once (a DistributedSampler would pad and count some twice)."""
+    """Loss and accuracy on the test set: rank r takes images r, r + world size, ..., so none counts twice."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
     with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
@@ -199,41 +177,37 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
-# ---- 5. Process group and DDP ------------------------------------------------------------------------------
-# Every process runs worker(): it joins the process group, builds its own copy of the model and trains it on
-# its shard. DistributedDataParallel averages the gradients inside backward(): every copy takes the same step.
-
-
+# ---- 5. Process group and DDP
+# Every process runs worker(): it joins the group and trains its own copy of the model on its shard;
+# DistributedDataParallel averages the gradients in backward(), so every copy takes the same step.
 def join_group(rank, world_size, args, listener=None):
-    """Join the job's process group over Gloo: every process of every machine meets at machine 0."""
-    # The rendezvous: rank 0 serves a key-value store at --master-addr:--master-port, every process connects
-    # (init_method="env://" does so from MASTER_ADDR and MASTER_PORT). Under torchrun, its agent serves it.
+    """Join the process group over Gloo: every process of every machine meets at machine 0."""
+    # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
+    # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, in every collective
+    timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
     with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
         store = dist.TCPStore(
             args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
         )
-    if args.launcher == "torchrun":  # its store outlives a restart: keep each attempt's keys apart
+    if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
-    # One job, one decision: every process checks in, or all stop; rank 0 counts the machines.
+    # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
-    choose_gloo_interface(store, rank, world_size, job)  # the address the other machines reach this one at
-    reach_every_machine(store, rank, job)  # a firewall may let the rendezvous port alone through
+    choose_gloo_interface(store, rank, world_size, job)  # the address other machines reach this one at
+    reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
     with gloo_failures(store, rank, job):  # Gloo connects every pair of processes here, on any port
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return job_record(job, **rank0_files(job))  # every rank follows rank 0's files
 
 
 def data_parallel(model, rank, world_size, args):
-    """Wrap model in DDP. Returns it, how it averages the gradients: "shared-memory" (every process on this
-    machine, SharedMemoryAverager) or "gloo"."""
+    """DDP around model, and how it averages the gradients: "shared-memory" or "gloo"."""
     averager = shared_memory_averager(model, rank, world_size, args)  # None: over Gloo
     shared_memory = averager is not None
-    # DDP broadcasts rank 0's weights: all copies start equal. gradient_as_bucket_view: the averaged gradients
-    # stay in DDP's buckets, not copied out each step. A cap given explicitly holds for the first bucket too:
-    # one bucket, so a step in shared memory waits for the others once, and PowerSGD needs one. Over Gloo the
-    # small first bucket (fc2 and fc1) travels while the convolutions' backward goes on.
+    # DDP broadcasts rank 0's weights: all copies start equal. gradient_as_bucket_view: no copy per step.
+    # An explicit cap holds for the first bucket too: one bucket for shared memory (one wait a step) and
+    # PowerSGD; over Gloo the small first bucket travels while backward goes on.
     one_bucket = shared_memory or args.compress == "powersgd"
     ddp_model = DistributedDataParallel(
         model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if one_bucket else {})
@@ -246,25 +220,23 @@ def data_parallel(model, rank, world_size, args):
 
 
 def worker(local_rank, args, data, listener=None):
-    """One process: join the group, build the model, train."""
     rank, world_size, _ = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = select_device(local_rank)
-    job = join_group(rank, world_size, args, listener)  # the flags, and the layout the roll call decided
+    job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
         if job.check:
             check_group(world_size, device, job)
             return
-        if data is None:  # none handed down: local rank 0 fetches the files, the others wait
+        if data is None:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, job)  # a machine whose files differ would train on other data
-        torch.manual_seed(job.seed)  # the same initial weights as the baseline script's
-        # Channels-last: the layout oneDNN's convolution kernels work in.
-        model = ConvNet().to(device, memory_format=torch.channels_last)
+        check_same_data(data, rank, job)  # else a machine with other files trains on them
+        torch.manual_seed(job.seed)  # the baseline script's initial weights
+        model = ConvNet().to(device, memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
         optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
         train(model, optimizer, data, rank, world_size, job)
@@ -276,37 +248,28 @@ def worker(local_rank, args, data, listener=None):
         dist.destroy_process_group()
 
 
-# ---- 6. Checkpoint and metrics -----------------------------------------------------------------------------
-
-
+# ---- 6. Checkpoint
 def save_checkpoint(model, optimizer, epoch, args):
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "epoch": epoch,
-        "dataset": args.dataset,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-    }
+    flags = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=flags)
+    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
     save_on_rank0(args.checkpoint, lambda f: torch.save(state, f))
 
 
-# ---- 7. Launch and command line ----------------------------------------------------------------------------
-
-
+# ---- 7. Launch and command line
 def main(argv=None):
     args = parse_args(argv)
     check_gloo_socket_ifname()
-    with exit_on_signal(args):  # Ctrl-C or SIGTERM stops every process of this launch, in one line
-        if args.rank is not None:  # a launcher started this process as one rank (fill_layout)
+    with exit_on_signal(args):  # Ctrl-C or SIGTERM stops all this launch's processes, in one line
+        if args.rank is not None:  # a launcher started this process as one rank
             return worker(args.local_rank, args, None)
-        torch.set_num_threads(1)  # no thread pool before the workers fork (start_method); each sets its own
-        # Hold the rendezvous port for rank 0; a one-machine job given none takes a free one: jobs never meet.
+        torch.set_num_threads(1)  # no thread pool before fork; each worker sets its own
+        # Hold rank 0's rendezvous port; a one-machine job given none takes a free one: jobs never meet.
         listener, port = claim_port(args)
-        job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
-        if not args.check:  # once per machine, before the workers: processes fetching into one folder race
+        job = job_record(args, master_port=port)
+        if not args.check:  # once per machine: workers fetching into one folder would race
             prepare_data(args)
-        # A forked worker inherits the data; a spawned one loads its own, no slower than being handed a copy.
+        # A forked worker inherits the data; a spawned one loads its own (as fast as a copy).
         data = load_data(args) if start_method() == "fork" and not args.check else None
         if args.num_processes == 1:
             worker(0, job, data, listener)

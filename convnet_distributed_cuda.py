@@ -7,7 +7,7 @@ shard while DDP averages the gradients. --batch-size is per process: the global 
 Two machines, one launch each, both naming machine 0's address:
     python convnet_distributed_cuda.py --num-machines 2 --machine-id 0 --master-addr 10.0.0.1
     python convnet_distributed_cuda.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1
-Under torchrun, which starts the processes itself:
+Under torchrun, which starts the processes:
     torchrun --nproc-per-node 8 convnet_distributed_cuda.py
 Without a GPU, use convnet_distributed.py.
 """
@@ -36,8 +36,8 @@ import traceback
 from datetime import timedelta
 from multiprocessing import resource_tracker
 
-LAUNCH_TIME = time.time()  # before the heavy imports: total_seconds counts them, as a user waits for them
-# c10d logs each failure in C++, stack traces included; the script reports each in one line instead.
+LAUNCH_TIME = time.time()  # before torch's import: total_seconds counts it
+# c10d logs failures in C++ with stack traces; the script reports each in one line.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import torch
 import torch.distributed as dist
@@ -49,25 +49,21 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-# Import torchvision (and with it torch._dynamo) before any process group exists: see docs/compat.md.
+# torchvision (and with it torch._dynamo) before any process group exists: see docs/compat.md.
 from torchvision import datasets
 
-# ---- 1. Constants ------------------------------------------------------------------------------------------
-
+# ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
-BACKEND = "NCCL"  # the process group's, as the lines that report a failure name it
-TEST_BATCH_SIZE = 1000  # images per forward pass: a GPU does a large batch in about the time of a small one
-
-# --dataset: torchvision class, and mean and std of its training pixels scaled to [0, 1].
+BACKEND = "NCCL"  # as failure lines name it
+TEST_BATCH_SIZE = 1000  # large: a GPU does it in about the time of a small one
+# --dataset: its class, and the mean and std of its training pixels in [0, 1]
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
     "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
 }
 
 
-# ---- 2. The model ------------------------------------------------------------------------------------------
-
-
+# ---- 2. The model
 class ConvNet(nn.Module):
     """Two 3x3 convolutions, max-pool, two linear layers; log-probabilities of 10 classes."""
 
@@ -81,55 +77,44 @@ class ConvNet(nn.Module):
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2))
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(x, 1))))
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-# ---- 3. Data -----------------------------------------------------------------------------------------------
-
-
+# ---- 3. Data
 def load_data(args):
-    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N], to slice batches from."""
     cls = DATASETS[args.dataset][0]
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        sys.exit(
-            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-            "a file there is damaged: replace it"
-        )
+        where = f"{args.dataset} from {raw_folder(args)}/"
+        sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
     return train.data, train.targets, test.data, test.targets
 
 
 def to_input(images, dataset):
-    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28]: the values of ToTensor() then Normalize()."""
+    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28], as ToTensor() then Normalize() give."""
     _, mean, std = DATASETS[dataset]
     return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
 
 
 def epoch_batches(sampler, epoch, batch_size, device):
-    """This rank's batches of an epoch, as index tensors, in the sampler's shard and order: the batches of
-    DataLoader(dataset, batch_size, sampler=DistributedSampler(...)), without its per-image work."""
-    sampler.set_epoch(epoch)  # without it every epoch repeats the first epoch's order
+    """This rank's batches, as index tensors: a DataLoader's with this sampler, minus per-image work."""
+    sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
     return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
 
 
-# ---- 4. Train and evaluate ---------------------------------------------------------------------------------
-
-
+# ---- 4. Train and evaluate
 def train(model, optimizer, data, rank, world_size, args):
-    """The epochs: train on this rank's shard, evaluate on the whole test set, checkpoint; then report."""
+    """Each epoch: train on this rank's shard, evaluate, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     match_gradient_strides(model)
-    # DDP broadcasts rank 0's weights, so every copy starts equal. device_ids names this process's GPU
-    # (None on a CPU, where the tests run). PowerSGD needs the whole model in one bucket (compress_gradients).
+    # DDP broadcasts rank 0's weights: all copies start equal. device_ids: this process's GPU (None on a
+    # CPU, where the tests run). PowerSGD needs the whole model in one bucket.
     ddp_model = DistributedDataParallel(
         model,
         device_ids=None if device.type == "cpu" else [device.index],
@@ -138,60 +123,54 @@ def train(model, optimizer, data, rank, world_size, args):
     compress_gradients(ddp_model, args.compress)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, "gloo" if device.type == "cpu" else "nccl"))
-    sampler = DistributedSampler(
-        train_labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed
-    )
-    train_seconds, history = 0.0, []
+    sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
+    seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
-        # Dropout masks differ between ranks, and a resumed run draws the same ones as an unbroken run.
+        # Each rank its own dropout masks; a resumed run an unbroken run's.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         batches = epoch_batches(sampler, epoch, args.batch_size, device)
-        # The ranks start the clock together: DDP's set-up and the last evaluation synchronise them.
+        # Ranks in step here: DDP's set-up and each evaluation synchronise them.
         start = time.perf_counter()
         train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
-        train_seconds += time.perf_counter() - start
-        dist.all_reduce(train_loss)
-        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
+        seconds += time.perf_counter() - start
+        dist.all_reduce(train_loss)  # the sum of the ranks' mean losses
+        test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
         release_freed_memory()
-        accuracy = f"{round(test_accuracy * n_test)}/{n_test} ({100 * test_accuracy:.2f}%)"
-        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {accuracy}")
+        correct = f"{round(accuracy * n_test)}/{n_test} ({accuracy:.2%})"
+        print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {correct}")
         loss = train_loss.item() / world_size
-        history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=test_accuracy))
+        history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=accuracy))
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
-        test_loss, test_accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
-    test = test_loss, test_accuracy, n_test
-    report(
-        run_figures(
-            args, device, world_size, history, train_seconds, len(train_labels), test, compress=args.compress
-        ),
-        args,
+        test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
+    test = test_loss, accuracy, n_test
+    figures = run_figures(
+        args, device, world_size, history, seconds, len(train_labels), test, compress=args.compress
     )
+    report(figures, args)
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
-    """One pass over this rank's batches; returns this rank's mean training loss (a tensor)."""
+    """One pass over this rank's batches; returns its mean training loss (a tensor)."""
     model.train()
-    loss_sum = torch.zeros((), device=images.device)
+    loss_sum, n = torch.zeros((), device=images.device), len(batches)
     for i, idx in enumerate(batches):
-        x, y = to_input(images[idx], args.dataset), labels[idx]
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = F.nll_loss(model(x), y)
+        with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(to_input(images[idx], args.dataset)), labels[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over all ranks here, bucket by bucket
         optimizer.step()
         loss_sum += loss.detach()
         if i % args.log_interval == 0:
-            progress = f"[{i}/{len(batches)} ({100.0 * i / len(batches):.0f}%)]"
+            progress = f"[{i}/{n} ({100.0 * i / n:.0f}%)]"
             print0(f"epoch: {epoch} {progress}\t training loss: {loss.item():.6f}")
-    return loss_sum / len(batches)
+    return loss_sum / n
 
 
 def evaluate(model, images, labels, rank, world_size, args):
-    """Loss and accuracy over the whole test set. Rank r takes images r, r + world size, ...:
-    every image is counted exactly once (a DistributedSampler would pad and count some twice)."""
+    """Loss and accuracy on the test set: rank r takes images r, r + world size, ..., so none counts twice."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=images.device)  # loss sum, correct, images
     with torch.no_grad(), torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=args.amp):
@@ -205,27 +184,25 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
-# ---- 5. Process group and DDP ------------------------------------------------------------------------------
-# Every process runs worker(): it joins the process group, builds its own copy of the model and trains it
-# on its shard. DistributedDataParallel averages the gradients in backward(): every copy takes the same step.
-
-
+# ---- 5. Process group and DDP
+# Every process runs worker(): it joins the group and trains its own copy of the model on its shard;
+# DistributedDataParallel averages the gradients in backward(), so every copy takes the same step.
 def join_group(rank, world_size, args, listener=None):
-    """Join the job's process group over NCCL: every process of every machine meets at machine 0."""
-    # The rendezvous: rank 0 (under torchrun, its agent) serves a key-value store at --master-addr and
-    # --master-port, and every process connects to it, as init_method="env://" does from MASTER_ADDR/PORT.
+    """Join the process group over NCCL: every process of every machine meets at machine 0."""
+    # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
+    # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    timeout = timedelta(seconds=args.timeout)  # how long a process waits for the others, in collectives too
+    timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
     with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
         store = dist.TCPStore(
             args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
         )
-    if args.launcher == "torchrun":  # its store outlives a restart: a prefix keeps each attempt's keys apart
+    if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
-    # One job, one decision: every process checks in, or all stop; rank 0 counts the machines.
+    # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
     one_gpu_each(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
-    reach_every_machine(store, rank, job)  # a firewall that lets only the rendezvous port through
+    reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
     keep_nccl_on_loopback(world_size, job)
     # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
     gpu = torch.device("cuda", torch.cuda.current_device())
@@ -237,25 +214,23 @@ def join_group(rank, world_size, args, listener=None):
 
 
 def worker(local_rank, args, data, listener=None):
-    """One process: join the group, build the model, train."""
     rank, world_size, _ = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = select_device(local_rank)
-    job = join_group(rank, world_size, args, listener)  # the flags, and the layout the roll call decided
+    job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
         if job.check:
             check_group(world_size, device, job)
             return
-        if data is None:  # none handed down: local rank 0 fetches the files, the others wait
+        if data is None:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, job)  # a machine whose files differ would train on other data
-        torch.manual_seed(job.seed)  # the same initial weights as the baseline script's
-        # Channels-last is the layout cuDNN's tensor-core convolutions work in.
-        model = ConvNet().to(device, memory_format=torch.channels_last)
+        check_same_data(data, rank, job)  # else a machine with other files trains on them
+        torch.manual_seed(job.seed)  # the baseline script's initial weights
+        model = ConvNet().to(device, memory_format=torch.channels_last)  # cuDNN's tensor cores' layout
         keep_pool_gradient_channels_last(model)
         optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
         train(model, optimizer, data, rank, world_size, job)
@@ -267,24 +242,15 @@ def worker(local_rank, args, data, listener=None):
         dist.destroy_process_group()
 
 
-# ---- 6. Checkpoint and metrics -----------------------------------------------------------------------------
-
-
+# ---- 6. Checkpoint
 def save_checkpoint(model, optimizer, epoch, args):
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "epoch": epoch,
-        "dataset": args.dataset,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-    }
+    flags = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=flags)
+    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
     save_on_rank0(args.checkpoint, lambda f: torch.save(state, f))
 
 
-# ---- 7. Launch and command line ----------------------------------------------------------------------------
-
-
+# ---- 7. Launch and command line
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -294,15 +260,15 @@ def main(argv=None):
             f"error: --num-gpu-processes {args.num_gpu_processes}: "
             f"only {torch.cuda.device_count()} GPU(s) visible"
         )
-    with exit_on_signal(args):  # Ctrl-C or SIGTERM stops every process of this launch, in one line
-        if args.rank is not None:  # a launcher started this process as one rank (fill_layout)
+    with exit_on_signal(args):  # Ctrl-C or SIGTERM stops all this launch's processes, in one line
+        if args.rank is not None:  # a launcher started this process as one rank
             return worker(args.local_rank, args, None)
-        # Hold the rendezvous port for rank 0; a one-machine job given none takes a free one: jobs never meet.
+        # Hold rank 0's rendezvous port; a one-machine job given none takes a free one: jobs never meet.
         listener, port = claim_port(args)
-        job = job_record(args, master_port=port)  # a one-machine job given no port: the free one taken
-        if not args.check:  # once per machine, before the workers: processes fetching into one folder race
+        job = job_record(args, master_port=port)
+        if not args.check:  # once per machine: workers fetching into one folder would race
             prepare_data(args)
-        # Each spawned worker loads its own data: no slower than being handed a copy (bench/README.md).
+        # Each spawned worker loads its own data (as fast as a copy: bench/README.md).
         if args.num_gpu_processes == 1:
             worker(0, job, None, listener)
         else:  # mp.spawn(worker, args=(args, None, listener), nprocs=N), with the signals held
@@ -312,7 +278,6 @@ def main(argv=None):
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    # Fill the layout the flags leave open (from a launcher), and make the checks argparse cannot.
     complete_args(parser, args)
     return args
 

@@ -48,13 +48,9 @@ class ConvNet(nn.Module):
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2))
+        x = self.dropout2(F.relu(self.fc1(torch.flatten(x, 1))))
         return F.log_softmax(self.fc2(x), dim=1)
 
 
@@ -96,20 +92,18 @@ def raw_folder(args):
 
 
 def load_data(args):
-    """Both splits as uint8 images [N, 28, 28] and int64 labels [N]: batches are sliced out of them."""
+    """Both splits as uint8 images [N, 28, 28] and int64 labels [N], to slice batches from."""
     cls = DATASETS[args.dataset][0]
     try:
         train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
     except Exception as e:
-        sys.exit(
-            f"error: cannot read {args.dataset} from {raw_folder(args)}/ ({type(e).__name__}: {e}); "
-            "a file there is damaged: replace it"
-        )
+        where = f"{args.dataset} from {raw_folder(args)}/"
+        sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
     return train.data, train.targets, test.data, test.targets
 
 
 def to_input(images, dataset):
-    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28]: the values of ToTensor() then Normalize()."""
+    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28], as ToTensor() then Normalize() give."""
     _, mean, std = DATASETS[dataset]
     return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
 
@@ -122,14 +116,14 @@ def epoch_batches(num_samples, epoch, batch_size, seed):
 
 # ---- 4. Train and evaluate
 def train(model, optimizer, data, args):
-    """The epochs: train, evaluate on the whole test set, checkpoint; then the run's figures."""
+    """Each epoch: train, evaluate, checkpoint; then the run's figures."""
     train_images, train_labels, test_images, test_labels = data
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     threads = plural(args.threads, "thread") + (args.threads_from and f", from {args.threads_from}")
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging")
     seconds, history, train_loss, n_test = 0.0, [], None, len(test_labels)
     for epoch in range(start_epoch, args.epochs):
-        torch.manual_seed(args.seed + epoch)  # a resumed run draws the same dropout masks as an unbroken one
+        torch.manual_seed(args.seed + epoch)  # a resumed run's dropout masks: an unbroken run's
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
         start = time.perf_counter()
         train_loss = train_epoch(model, optimizer, train_images, train_labels, batches, epoch, args).item()
@@ -237,14 +231,14 @@ def read_checkpoint(args):
 # ---- 6. Launch and command line
 def main(argv=None):
     args = parse_args(argv)
-    before = file_version(args.checkpoint)  # the stop line says whether this launch replaced it
+    before = file_version(args.checkpoint)  # a stop's line says if this launch replaced it
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     try:
         prepare_data(args)
         torch.manual_seed(args.seed)
-        model = ConvNet().to(memory_format=torch.channels_last)  # the layout the convolution kernels work in
+        model = ConvNet().to(memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
         train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), load_data(args), args)
     except (KeyboardInterrupt, Terminated) as e:
@@ -294,12 +288,11 @@ def build_parser():
     add("--lr", "Adadelta learning rate (default: 0.5)", type=positive_float, default=0.5)
     add("--seed", "random seed (default: 0)", type=int, default=0)
     add("--dataset", "data set (default: mnist)", choices=sorted(DATASETS), default="mnist")
-    add("--data-dir", "data folder: DIR/MNIST/raw, DIR/FashionMNIST/raw (default: ./data)", metavar="DIR",
-        default="./data")  # fmt: skip
+    add("--data-dir", "data folder, DIR/MNIST/raw (default: ./data)", metavar="DIR", default="./data")
     add("--log-interval", "batches between progress lines (default: 10)", type=positive_int, default=10)
-    add("--threads", "intra-op threads (default: OMP_NUM_THREADS, else the usable cores)", type=positive_int)
+    add("--threads", "threads (default: OMP_NUM_THREADS, else the usable cores)", type=positive_int)
     add("--amp", "bfloat16 autocast (default: off)", action="store_true")
-    add("--checkpoint", "save model and optimizer here after every epoch (default: none)", metavar="PATH")
+    add("--checkpoint", "save model and optimizer here each epoch (default: none)", metavar="PATH")
     add("--resume", "continue from --checkpoint if it exists (default: off)", action="store_true")
     add("--metrics-json", "write the run's figures here as JSON (default: none)", metavar="PATH")
     return p
