@@ -1215,13 +1215,11 @@ class Terminated(BaseException):
 
 
 def raise_on_signals(ctrl_c):
-    """The first stop raises, unless leaving already (a second must not cut a clean-up short); ctrl_c False:
+    """A stop raises unless one is being handled (a second must not cut a clean-up short); ctrl_c False:
     Ctrl-C stays ignored, as a background job's is."""
-    stopping = []
 
     def stop(signum, frame):
-        if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
-            stopping.append(signum)
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     signal.signal(signal.SIGTERM, stop)
