@@ -1028,22 +1028,23 @@ def checkpoint_note(path, before):
 
 # ---- S7. Processes, signals and exit -----------------------------------------------------------------------
 
+GROUPS_KEPT = []  # worker()'s groups, never freed: freeing one can deadlock (docs/compat.md)
+
 
 def run_workers(args, data, nprocs, listener):
-    """Start this machine's nprocs processes and wait; when one fails, torch's join stops the others. A stop
-    as they start (lost in fork's bookkeeping) is blocked, here and in them, until raise_on_signals."""
+    """mp.spawn, with stops blocked as the workers start (fork's bookkeeping lost one) to raise_on_signals."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the worker's line says why
     method, ctrl_c = start_method(), signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     if method == "spawn" and os.name == "posix":
-        resource_tracker.ensure_running()  # spawn would start it, unblocking the signals blocked below
-    if hasattr(signal, "pthread_sigmask"):  # Windows has no masks
+        resource_tracker.ensure_running()  # spawn would start it, unblocking the signals
+    if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
         context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs=nprocs, join=False, start_method=method
+            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=method
         )
         raise_on_signals(ctrl_c)
-        while not context.join():
+        while not context.join():  # one failing, join stops the others
             pass
     except mp.ProcessExitedException as e:
         if e.exit_code in (130, 143, -signal.SIGTERM):  # a stop: the launcher's line tells it
@@ -1052,9 +1053,7 @@ def run_workers(args, data, nprocs, listener):
         rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         sys.exit(1 if e.exit_code == 1 else line)  # 1: the worker's sys.exit, which printed why
-    finally:  # every worker, even where a stop came as they started: SIGTERM, SIGKILL after 10 s
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a second stop must not cut this short
-            signal.signal(signum, signal.SIG_IGN)
+    finally:  # any still running (a stop, a failed start): SIGTERM, then SIGKILL at 10 s
         workers, deadline = mp.active_children(), time.monotonic() + 10
         for process in workers:
             process.terminate()
@@ -1062,52 +1061,57 @@ def run_workers(args, data, nprocs, listener):
             process.join(max(0.0, deadline - time.monotonic()))
             process.kill()
             process.join()
-        if listener is not None:  # held until now: the port's holder, as a user sees it, is this launch
+        if listener is not None:  # held till now: the port's holder, as users see it, is this launch
             listener.close()
 
 
 def spawned_worker(local_rank, args, data, listener, ctrl_c):
-    threading.Thread(target=exit_with_launcher, args=(mp.parent_process(),), daemon=True).start()
+    def exit_with_launcher():  # not PR_SET_PDEATHSIG: Linux's alone, and lost under nohup
+        launcher = mp.parent_process()  # gone: an orphan's parent id changes; on Windows, its handle ends
+        while os.getppid() == launcher.pid and launcher.is_alive():
+            time.sleep(0.5)
+        _thread.interrupt_main(signal.SIGTERM)  # raises Terminated, as SIGTERM does
+        time.sleep(10)
+        os._exit(143)  # still here: stuck in a call that never returns to Python
+
+    threading.Thread(target=exit_with_launcher, daemon=True).start()
     try:
         raise_on_signals(ctrl_c)
         worker(local_rank, args, data, listener)
-    except (KeyboardInterrupt, Terminated) as e:  # not spawn's 0 for Ctrl-C: the run did not finish
-        exit_at_once(143 if isinstance(e, Terminated) else 130)
     except SystemExit as e:
         exit_at_once(e.code)
-    except Exception:  # a bug: spawn's handler would tear the interpreter down
-        traceback.print_exc()
-        exit_at_once(1)
+    except BaseException as e:  # not spawn's handler: 0 for Ctrl-C, and a teardown for a bug
+        if isinstance(e, Exception):
+            traceback.print_exc()
+        exit_at_once({KeyboardInterrupt: 130, Terminated: 143}.get(type(e), 1))
     exit_at_once()
 
 
 @contextlib.contextmanager
 def exit_on_signal(args):
-    """Ctrl-C or SIGTERM runs every clean-up; one line per machine says what was kept; exits 128 + signal."""
+    """Ctrl-C or SIGTERM runs every clean-up, then exits 128 + signal with one line a machine."""
     before = file_version(args.checkpoint)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
         yield
     except (KeyboardInterrupt, Terminated) as e:
         how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        if args.local_rank == 0:  # machine 0's line alone tells what the checkpoint holds
+        if args.local_rank == 0:  # machine 0's line says what the checkpoint holds
             kept = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
             print(f"{how}: every process of this launch stopped{kept}", file=sys.stderr)
         sys.exit(status)
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, docker stop, scancel, torchrun), raised as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt."""
 
 
 def raise_on_signals(ctrl_c):
-    """The first Ctrl-C raises KeyboardInterrupt, SIGTERM Terminated, unless already leaving (a traceback);
-    ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
-    stopping = []
+    """A stop raises unless one is being handled (a second must not cut a clean-up short); ctrl_c False:
+    Ctrl-C stays ignored, as a background job's is."""
 
     def stop(signum, frame):
-        if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
-            stopping.append(signum)
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     signal.signal(signal.SIGTERM, stop)
@@ -1116,19 +1120,9 @@ def raise_on_signals(ctrl_c):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
-def exit_with_launcher(launcher):
-    """Stops a worker whose launcher is gone (SIGKILL, out of memory): an orphan gets a new parent, and on
-    Windows the launcher's handle says it ended. Not PR_SET_PDEATHSIG: Linux's alone, lost under nohup."""
-    while os.getppid() == launcher.pid and launcher.is_alive():
-        time.sleep(0.5)
-    _thread.interrupt_main(signal.SIGTERM)  # raises Terminated, as SIGTERM does
-    time.sleep(10)
-    os._exit(143)  # still here: stuck in a call that never returns to Python
-
-
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        if local_rank_of(rank, args) != 0:  # one line a machine: local rank 0's; its launcher stops us
+        if local_rank_of(rank, args) != 0:  # one line a machine; its launcher stops this one
             time.sleep(2)
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
@@ -1136,13 +1130,10 @@ def exit_if_contact_lost(error, rank, args):
         )
 
 
-GROUPS_KEPT = []
-
-
 def exit_at_once(status=0):
     """sys.exit(status) without the teardown: slow, and freeing the group worker() kept can abort."""
-    with contextlib.suppress(ValueError):  # a stop must not cut the exit short (ValueError: not main thread)
-        for signum in (signal.SIGINT, signal.SIGTERM):
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
         sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
@@ -1164,44 +1155,43 @@ def print0(message):
 
 
 def report(metrics, args):
-    seconds, speed = metrics["train_seconds"], metrics["samples_per_second"] or 0
-    print0(
-        f"Train loop {seconds:.2f} s ({speed:.0f} samples/s); launch to end {metrics['total_seconds']:.2f} s"
-    )
+    seconds, total = metrics["train_seconds"], metrics["total_seconds"]
+    speed = metrics["samples_per_second"] or 0
+    print0(f"Train loop {seconds:.2f} s ({speed:.0f} samples/s); launch to end {total:.2f} s")
     if args.metrics_json:
         save_on_rank0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
     print0(f"Finished training in {seconds:.2f} secs")
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
+    """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB from the reusable heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB freed
 
 
 def release_freed_memory():
-    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hands back what keep_freed_memory kept
 
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (a conversion there and back)."""
+    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input is the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
 def layout_line(world_size, args, allreduce):
-    """Rank 0's first line: the job as it formed, so nobody trains alone or on another layout unawares."""
-    sizes = args.machine_sizes  # processes on each machine, as the roll call counted them
-    same = len(set(sizes)) == 1
-    each = f"x {plural(sizes[0], 'process')}" if same else f"({' + '.join(map(str, sizes))} processes)"
+    """Rank 0's first line: nobody trains alone or on another layout unawares."""
+    sizes = args.machine_sizes  # as the roll call counted them
+    each = f"({' + '.join(map(str, sizes))} processes)"
+    each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else each
     threads = f", from {args.threads_from}" if args.threads_from else ""
     note = f" ({args.launch_note})" if args.launch_note else ""
     return (
@@ -1213,24 +1203,23 @@ def layout_line(world_size, args, allreduce):
 
 
 def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """The run's figures, for its last lines and --metrics-json; a collective (every rank's peak memory)."""
+    """For the last lines and --metrics-json; a collective (every rank's peak memory)."""
     peaks = [None] * world_size
     dist.all_gather_object(peaks, peak_memory_mib())
-    return {
-        "script": os.path.basename(__file__), "dataset": args.dataset, "device": str(device),
-        "world_size": world_size, "epochs": args.epochs, "epochs_trained": len(history),
-        "batch_size": args.batch_size, "global_batch_size": args.batch_size * world_size,
-        "threads": torch.get_num_threads(), "amp": args.amp, **averaging, "train_seconds": train_seconds,
-        "total_seconds": time.time() - LAUNCH_TIME,
-        "samples_per_second": len(history) * samples / train_seconds if train_seconds else None,
-        "final_train_loss": history[-1]["train_loss"] if history else None, "test_loss": test[0],
-        "test_accuracy": test[1], "test_samples": test[2], "peak_rss_mib_per_rank": peaks, "history": history,
-    }  # fmt: skip
+    return dict(
+        script=os.path.basename(__file__), dataset=args.dataset, device=str(device), world_size=world_size,
+        epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size,
+        global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
+        **averaging, train_seconds=train_seconds, total_seconds=time.time() - LAUNCH_TIME,
+        samples_per_second=len(history) * samples / train_seconds if train_seconds else None,
+        final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
+        test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
+    )  # fmt: skip
 
 
 def peak_memory_mib():
-    """This process's peak resident set so far, in MiB (getrusage(2)); None on Windows."""
-    with contextlib.suppress(ImportError):  # resource: Unix only
+    """Peak resident set so far, in MiB; None on Windows (no resource module)."""
+    with contextlib.suppress(ImportError):
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -183,8 +183,8 @@ def plural(n, word):
 
 
 def peak_memory_mib():
-    """This process's peak resident set so far, in MiB (getrusage(2)); None on Windows."""
-    with contextlib.suppress(ImportError):  # resource: Unix only
+    """Peak resident set so far, in MiB; None on Windows (no resource module)."""
+    with contextlib.suppress(ImportError):
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -344,41 +344,39 @@ def cgroup_cpus():
 
 
 def keep_freed_memory():
-    """Keep freed blocks for reuse (mallopt(3)): glibc returns each above 128 KiB, refaulted every step."""
+    """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the reusable heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap rather than return it
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB from the reusable heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB freed
 
 
 def release_freed_memory():
-    """Return the kept blocks to the system (malloc_trim(3)), after each evaluation."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hands back what keep_freed_memory kept
 
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (a conversion there and back)."""
+    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input is the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
 class Terminated(BaseException):
-    """SIGTERM (kill, timeout, docker stop, scancel), raised as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt."""
 
 
 def raise_on_signals(ctrl_c):
-    """The first Ctrl-C raises KeyboardInterrupt, SIGTERM Terminated, unless already leaving (a traceback);
-    ctrl_c False: Ctrl-C stays ignored, as a background job's is."""
-    stopping = []
+    """A stop raises unless one is being handled (a second must not cut a clean-up short); ctrl_c False:
+    Ctrl-C stays ignored, as a background job's is."""
 
     def stop(signum, frame):
-        if not stopping and not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
-            stopping.append(signum)
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
 
     signal.signal(signal.SIGTERM, stop)
@@ -426,12 +424,12 @@ def checkpoint_note(path, before):
 
 
 def exit_at_once(status=0):
-    """sys.exit(status) without tearing the interpreter down, which pages torch in only to unload it."""
-    with contextlib.suppress(ValueError):  # a stop must not cut the exit short (ValueError: not main thread)
-        for signum in (signal.SIGINT, signal.SIGTERM):
+    """sys.exit(status) without the teardown, which pages torch in only to unload it."""
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
     if status is not None and not isinstance(status, int):
-        sys.stderr.write(f"{status}\n")  # one write: two let another process's line in between
+        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
