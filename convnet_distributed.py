@@ -865,8 +865,8 @@ def roll_call(store, rank, world_size, args):
     def stop(line):  # every process, until the job is ready; then this one alone
         abort_job(None if store.check(["ready"]) else store, rank, args, line)
 
-    def read(raw, owner=None):  # the store is unauthenticated
-        if is_record(found := from_json(raw)) and owner in (None, found["rank"]):
+    def read(raw):  # the store is unauthenticated
+        if is_record(found := from_json(raw)):
             return found
         if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
             line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
@@ -896,7 +896,7 @@ def roll_call(store, rank, world_size, args):
                 else "one script and torch version"
             )
             stop(f"error: the machines disagree on {flags}: {sides}: use {fix} on every machine")
-        # Rank 0 claims the job before any other process reads it: a second rank 0 finds the first there.
+        # "job" before "rank/0": a second rank 0 finds the first there.
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
                 stop(claimed_twice(rank, read(held), me, args))
@@ -904,7 +904,7 @@ def roll_call(store, rank, world_size, args):
             if store.check(["abort"]):
                 abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
             if rank == 0 and store.check(keys):
-                records = [read(store.get(key), r) for r, key in enumerate(keys)]
+                records = [read(store.get(key)) for key in keys]
                 store.set("ready", json.dumps(count_machines(records, args)))
             elif rank == 0 and time.monotonic() > deadline:
                 n, joined = args.num_machines, sum(store.check([k]) for k in keys)
