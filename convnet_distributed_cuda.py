@@ -694,7 +694,6 @@ def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
-    where = f"{args.master_addr}:{args.master_port}"
 
     def stop(line):  # every process, until the job is ready; then this one alone
         abort_job(None if store.check(["ready"]) else store, rank, args, line)
@@ -721,15 +720,11 @@ def roll_call(store, rank, world_size, args):
             sides = (f"machine 0 ({job['host']}) has {theirs}; "
                      f"machine {me['machine']} ({me['host']}) has {ours}")  # fmt: skip
             if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-                line = f"{where} is another job's rendezvous ({sides}): choose another --master-port"
-                abort_job(None, rank, args, f"error: {line}")
+                line = f"{args.master_addr}:{args.master_port} is another job's rendezvous ({sides})"
+                abort_job(None, rank, args, f"error: {line}: choose another --master-port")
             flags = ", ".join(map(flag_words, differ))
-            fix = (
-                f"the same {flags}"
-                if set(differ).isdisjoint(JOB_FLAGS[-3:])
-                else "one script and torch version"
-            )
-            stop(f"error: the machines disagree on {flags}: {sides}: use {fix} on every machine")
+            fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
+            stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
         # "job" before "rank/0": a second rank 0 finds the first there.
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
@@ -741,8 +736,8 @@ def roll_call(store, rank, world_size, args):
                 records = [read(store.get(key)) for key in keys]
                 store.set("ready", json.dumps(count_machines(records, args)))
             elif rank == 0 and time.monotonic() > deadline:
-                n, joined = args.num_machines, sum(store.check([k]) for k in keys)
-                fix = f"start machines 0 to {n - 1} (--num-machines {n}), all pointed at {where}"
+                joined, n = sum(store.check([k]) for k in keys), args.num_machines
+                fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
                 line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
                 abort_job(store, rank, args, f"error: {line}: {fix}")
             time.sleep(0.1)

@@ -63,7 +63,8 @@ def test_another_model_stops_every_machine_naming_the_first_parameter_that_diffe
     assert_both_stop_with(
         results,
         f"error: the machines disagree on model: machine 0 ({HOST}) has fc1.weight [64, 4608]; "
-        f"machine 1 ({HOST}) has fc1.weight [32, 4608]: use one script and torch version on every machine",
+        f"machine 1 ({HOST}) has fc1.weight [32, 4608]: "
+        "use the same script and torch version on every machine",
     )
 
 
@@ -74,7 +75,7 @@ def test_another_torch_version_stops_every_machine_naming_both(data_dir, tmp_pat
     assert_both_stop_with(
         results,
         f"error: the machines disagree on torch: machine 0 ({HOST}) has torch {ours}; "
-        f"machine 1 ({HOST}) has torch 2.99.0: use one script and torch version on every machine",
+        f"machine 1 ({HOST}) has torch 2.99.0: use the same script and torch version on every machine",
     )
 
 

@@ -156,7 +156,7 @@ def test_the_cpu_script_and_the_gpu_script_in_one_job_stop_naming_the_backend(da
         results, "error: the machines disagree on backend: ", "backend Gloo (convnet_distributed.py)"
     )
     assert "backend NCCL (convnet_distributed_cuda.py)" in results[0].stderr, results[0].stderr
-    assert "use one script and torch version on every machine" in results[0].stderr
+    assert "use the same script and torch version on every machine" in results[0].stderr
     assert seconds < WITHIN, seconds
 
 
