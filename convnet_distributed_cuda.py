@@ -591,11 +591,13 @@ def torchrun_attempt():
 
 
 # Flags that must agree on every machine (the first four: the layout), rank 0's alone, each machine's own.
-JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size",
-             "epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model",
-             "backend")  # fmt: skip
+JOB_FLAGS = tuple(
+    "world_size num_machines num_processes num_gpu_processes dataset batch_size epochs lr seed amp allreduce "
+    "compress check torch model backend".split()
+)
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
+SCRIPT = os.path.basename(__file__)
 
 
 def job_record(args, **decided):
@@ -610,13 +612,12 @@ def roll_call(store, rank, world_size, args):
     def stop(line):  # every process, until the job is ready; then this one alone
         abort_job(None if store.check(["ready"]) else store, rank, args, line)
 
-    def read(raw, owner=None):  # a record, checked: the store is unauthenticated
-        found = from_json(raw)
-        if is_record(found) and owner in (None, found["rank"]):
+    def read(raw):  # the store is unauthenticated
+        if is_record(found := from_json(raw)):
             return found
         if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
-            stop(f"error: machine {found.get('machine', '?')} ({found.get('host', '?')}) runs another "
-                 f"version of {os.path.basename(__file__)}: copy one script to every machine")  # fmt: skip
+            line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
+            stop(f"error: {line}: copy one script to every machine")
         stop(bad_value(rank, "a record", raw, args))
 
     try:
@@ -624,8 +625,21 @@ def roll_call(store, rank, world_size, args):
         if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
             time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
             sys.exit(1)
-        check_agreement(job, me, stop, rank, args)
-        # Rank 0 claims the job before any other process reads it: a second rank 0 finds the first there.
+        facts = job["job"], me["job"]
+        if differ := [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]:
+            theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+            if "model" in differ:  # its first parameter that differs
+                pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+                theirs, ours = next(p for p in pairs if p[0] != p[1])
+            sides = (f"machine 0 ({job['host']}) has {theirs}; "
+                     f"machine {me['machine']} ({me['host']}) has {ours}")  # fmt: skip
+            if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
+                line = f"{args.master_addr}:{args.master_port} is another job's rendezvous ({sides})"
+                abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+            flags = ", ".join(map(flag_words, differ))
+            fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
+            stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
+        # "job" before "rank/0": a second rank 0 finds the first there.
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
                 stop(claimed_twice(rank, read(held), me, args))
@@ -633,44 +647,43 @@ def roll_call(store, rank, world_size, args):
             if store.check(["abort"]):
                 abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
             if rank == 0 and store.check(keys):
-                records = [read(store.get(key), r) for r, key in enumerate(keys)]
+                records = [read(store.get(key)) for key in keys]
                 store.set("ready", json.dumps(count_machines(records, args)))
             elif rank == 0 and time.monotonic() > deadline:
-                joined, last = sum(store.check([k]) for k in keys), args.num_machines - 1
-                abort_job(store, rank, args, (
-                    f"error: only {joined} of {world_size} processes joined within --timeout "
-                    f"{args.timeout:g} s: start every machine (--num-machines {last + 1}, --machine-id 0 to "
-                    f"{last}) with the same --master-addr and --master-port"))  # fmt: skip
+                joined, n = sum(store.check([k]) for k in keys), args.num_machines
+                fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
+                line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
+                abort_job(store, rank, args, f"error: {line}: {fix}")
             time.sleep(0.1)
         machine_of = from_json(ready := store.get("ready"))
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    index = {}  # numbered as count_machines numbers them: 0, 1, ... in the order of their first rank
+    index = {}  # as count_machines numbers them: in the order of their first rank
     ok = isinstance(machine_of, list) and len(machine_of) == world_size
     if not (ok and all(type(m) is int and index.setdefault(m, len(index)) == m for m in machine_of)):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
     sizes = [machine_of.count(m) for m in index]
-    return dict(machine_of=machine_of, machine_id=machine_of[rank], num_machines=len(sizes),
-                machine_sizes=sizes)  # fmt: skip
+    return dict(machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes)
 
 
 def roll_call_record(rank, world_size, args):
     layout = JOB_FLAGS[1:4] if args.rank is not None else ()  # a launcher's may vary processes per machine
     job = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
     with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
-        model = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in ConvNet().named_parameters()]
-    job.update(world_size=world_size, torch=torch.__version__.split("+")[0], model=model,
-               backend=f"{BACKEND} ({os.path.basename(__file__)})")  # fmt: skip
+        job["model"] = [f"{n} {list(p.shape)}" for n, p in ConvNet().named_parameters()]
+    job.update(world_size=world_size, torch=torch.__version__.split("+")[0], backend=f"{BACKEND} ({SCRIPT})")
+    box = socket.gethostname()  # under MPI, host names may repeat: the boot and network namespace tell apart
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        box += f" {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
     with open(__file__, "rb") as f:
         script = hashlib.sha256(f.read()).hexdigest()[:12]
-    return dict(rank=rank, machine=args.machine_id, host=socket.gethostname(), pid=os.getpid(),
-                box=machine_identity(), launch=args.launch_id, launcher=args.launcher, job=job,
-                script=script)  # fmt: skip
+    ids = dict(rank=rank, machine=args.machine_id, host=socket.gethostname(), pid=os.getpid(), box=box)
+    return dict(ids, launch=args.launch_id, launcher=args.launcher, job=job, script=script)
 
 
 def is_record(found):
-    types = dict(rank=int, machine=int, pid=int, host=str, box=str, launch=str | None, launcher=str | None,
-                 job=dict, script=str)  # fmt: skip
+    types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str)
+    types.update(launch=str | None, launcher=str | None)
     ok = isinstance(found, dict) and all(k in found and isinstance(found[k], t) for k, t in types.items())
     return ok and isinstance(found["job"].get("model", []), list)
 
@@ -681,92 +694,52 @@ def from_json(raw):
 
 
 def bad_value(rank, key, raw, args):
-    return (f"error: rank {rank}: the rendezvous store returned {key} = {bytes(raw[:60])!r}, which another "
-            "program wrote: choose another --master-port")  # fmt: skip
-
-
-def machine_identity():
-    """Tells machines apart under MPI (host names may repeat): host name, boot id, network namespace."""
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        return f"{socket.gethostname()} {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
-    return socket.gethostname()
+    return f"error: rank {rank}: another program wrote {key} = {bytes(raw[:60])!r}: use another --master-port"
 
 
 def flag_words(key, value=True):
-    """A flag as a user says it: --lr 0.5, --amp, no --amp, world size 4; given no value, its name."""
-    name = "--" + key.replace("_", "-")
-    if key in ("world_size", "torch", "backend"):
-        name = key.replace("_", " ")
+    """--lr 0.5, --amp, no --amp, torch 2.5.0; given no value, the name alone."""
+    name = "--" + key.replace("_", "-") if key not in ("world_size", "torch", "model", "backend") else key
+    name = name.replace("_", " ")
     return name if value is True else f"no {name}" if value is False else f"{name} {value}"
-
-
-def check_agreement(job, me, stop, rank, args):
-    """Stops where flags, model, torch or backend differ: every process, or this one if another job's."""
-    facts = job["job"], me["job"]
-    differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
-    if not differ:
-        return
-    theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-    if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-        abort_job(None, rank, args, (
-            f"error: {args.master_addr}:{args.master_port} is another job's rendezvous (rank 0 on "
-            f"{job['host']}, pid {job['pid']}, has {theirs}; this one {ours}): choose another "
-            "--master-port"))  # fmt: skip
-    flags = ", ".join(map(flag_words, differ))
-    what = "the layout" if set(differ) <= set(JOB_FLAGS[:4]) else flags
-    if "model" in differ:  # its first parameter that differs
-        pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="fewer parameters")
-        what, (theirs, ours) = "the model", next(p for p in pairs if p[0] != p[1])
-    fixes = dict(model="run one script", backend="run one script", torch="install one torch version")
-    fix = next((fixes[k] for k in fixes if k in differ), f"use the same {flags}")
-    stop(f"error: the machines disagree on {what}: machine 0 ({job['host']}) has {theirs}; machine "
-         f"{me['machine']} ({me['host']}) has {ours}: {fix} on every machine")  # fmt: skip
 
 
 def count_machines(records, args):
     """Each rank's machine, by --machine-id (or a launcher's), else by host; warns where scripts differ."""
     key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
-    others = [(m, r["host"]) for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]]
-    for m, host in dict.fromkeys(others):  # one warning per machine
-        print(f"warning: machine {m} ({host}) runs another {os.path.basename(__file__)} than machine 0 "
-              f"({records[0]['host']}): copy one script to every machine", file=sys.stderr)  # fmt: skip
+    for m in sorted({m for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]}):
+        print(f"warning: machine {m} runs another {SCRIPT}: copy one script to all machines", file=sys.stderr)
     return machine_of
 
 
 def rank0_files(args):
-    """Rank 0's file flags, for the others to follow; each other machine warns once of its own, unused."""
-    mine = {k: getattr(args, k) for k in RANK0_FLAGS}
-    said = [mine]
+    """Rank 0's file flags, for the others to follow; another machine's own go unused, said once."""
+    said = [{k: getattr(args, k) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
-    unused = ", ".join(flag_words(k, v) for k, v in mine.items() if v and v != said[0][k])
+    unused = ", ".join(flag_words(k, v) for k in RANK0_FLAGS if (v := getattr(args, k)) and v != said[0][k])
     if unused and args.machine_id != 0 and local_rank_of(dist.get_rank(), args) == 0:
-        print(f"warning: machine {args.machine_id} ({socket.gethostname()}): {unused} not used here: machine "
-              "0's command names the job's files", file=sys.stderr)  # fmt: skip
+        line = f"machine {args.machine_id}: {unused} not used here: machine 0's command names the files"
+        print(f"warning: {line}", file=sys.stderr)
     return {} if dist.get_rank() == 0 else {k: bool(v) for k, v in said[0].items()}
 
 
 def claimed_twice(rank, first, second, args):
-    return (f"error: rank {rank} joined twice, from machine {first['machine']} on {first['host']} (pid "
-            f"{first['pid']}) and from machine {second['machine']} on {second['host']} (pid "
-            f"{second['pid']}): give each machine its own --machine-id, 0 to {args.num_machines - 1}, and "
-            "each process its own rank")  # fmt: skip
+    twice = " and ".join(f"machine {r['machine']} on {r['host']} (pid {r['pid']})" for r in (first, second))
+    fix = f"give each machine its own --machine-id (0 to {args.num_machines - 1}), each process its own rank"
+    return f"error: rank {rank} joined twice, from {twice}: {fix}"
 
 
 def check_same_data(data, rank, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
-    once = local_rank_of(rank, args) == 0  # once per machine
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
+    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data]
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (args.machine_id, socket.gethostname(), mine))
+    dist.all_gather_object(everyone, (args.machine_id, mine))
     names = ("training images", "training labels", "test images", "test labels")
-    for machine, host, theirs in everyone:
-        if theirs and theirs != everyone[0][2]:
-            differ = ", ".join(n for n, a, b in zip(names, everyone[0][2], theirs) if a != b)
-            abort_job(None, rank, args, (
-                f"error: the machines train on different data: machine {machine} ({host})'s {args.dataset} "
-                f"{differ} differ from machine 0's ({everyone[0][1]}): copy machine 0's files into every "
-                "machine's --data-dir"))  # fmt: skip
+    for machine, theirs in everyone:
+        if differ := ", ".join(n for n, a, b in zip(names, everyone[0][1], theirs) if a != b):
+            line = f"error: machine {machine}'s {args.dataset} {differ} differ from machine 0's"
+            abort_job(None, rank, args, f"{line}: copy machine 0's files to every --data-dir")
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------

@@ -237,7 +237,7 @@ def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch
     env = dict(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
                OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
-    mine = convnet_distributed.machine_identity()
+    mine = convnet_distributed.roll_call_record(0, 4, args)["box"]
     assert mine.startswith(f"{socket.gethostname()} ") and "net:[" in mine
     boxes = [mine, mine, mine.replace("net:[", "net:[9"), mine.replace("net:[", "net:[9")]
     records = [
@@ -333,7 +333,7 @@ def test_machines_that_disagree_on_the_layout_stop_with_one_line(data_dir, flags
         "--timeout", TIMEOUT, "--check", *flags,
     )  # fmt: skip
     results, seconds = run_together([machine0, machine1])
-    one_line_each(results, "error: the machines disagree on the layout: machine 0 ", flags[0])
+    one_line_each(results, "error: the machines disagree on world size, ", flags[0], "; machine 1 ")
     assert seconds < WITHIN, seconds
 
 
@@ -396,7 +396,9 @@ def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"error: 127.0.0.1:{port} is another job's rendezvous"), (
         lines
     )
-    assert "--lr 0.5; this one --lr 0.4" in lines[0], lines
+    assert "has --lr 0.5; machine 1 (" in lines[0] and lines[0].endswith(
+        "has --lr 0.4): choose another --master-port"
+    ), lines
     assert "Check passed: 2 processes on 2 machines reached each other" in results[0].stdout, results[
         0
     ].stdout

@@ -62,8 +62,9 @@ def test_another_model_stops_every_machine_naming_the_first_parameter_that_diffe
     results = run_two(data_dir, copy)
     assert_both_stop_with(
         results,
-        f"error: the machines disagree on the model: machine 0 ({HOST}) has fc1.weight 64x4608; "
-        f"machine 1 ({HOST}) has fc1.weight 32x4608: run one script on every machine",
+        f"error: the machines disagree on model: machine 0 ({HOST}) has fc1.weight [64, 4608]; "
+        f"machine 1 ({HOST}) has fc1.weight [32, 4608]: "
+        "use the same script and torch version on every machine",
     )
 
 
@@ -74,7 +75,7 @@ def test_another_torch_version_stops_every_machine_naming_both(data_dir, tmp_pat
     assert_both_stop_with(
         results,
         f"error: the machines disagree on torch: machine 0 ({HOST}) has torch {ours}; "
-        f"machine 1 ({HOST}) has torch 2.99.0: install one torch version on every machine",
+        f"machine 1 ({HOST}) has torch 2.99.0: use the same script and torch version on every machine",
     )
 
 
@@ -85,8 +86,7 @@ def test_another_copy_of_the_script_trains_with_a_warning_naming_its_machine(dat
     results = run_two(data_dir, copy)
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     assert results[0].stderr == (
-        f"warning: machine 1 ({HOST}) runs another convnet_distributed.py than machine 0 ({HOST}): "
-        "copy one script to every machine\n"
+        "warning: machine 1 runs another convnet_distributed.py: copy one script to all machines\n"
     )
     assert results[1].stderr == ""
 

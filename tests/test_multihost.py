@@ -767,7 +767,7 @@ def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, d
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1, describe(results)
         assert lines[0].startswith("error: rank 0 joined twice, from machine 0 on node"), describe(results)
-        assert "give each machine its own --machine-id, 0 to 1" in lines[0]
+        assert "give each machine its own --machine-id (0 to 1)" in lines[0]
     assert all(r.seconds < COPIED_SECONDS for r in results)
     assert_namespaces_empty(network)
 

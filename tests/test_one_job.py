@@ -130,9 +130,7 @@ def test_machines_whose_data_differ_stop_before_training(data_dir, tmp_path):
         for m, data in ((0, data_dir), (1, other))
     ]
     results, seconds = run_together(machines)
-    one_line_each(
-        results, "error: the machines train on different data: machine 1 (", "training labels", "copy"
-    )
+    one_line_each(results, "error: machine 1's mnist training labels differ from machine 0's", "copy")
     assert "images" not in results[0].stderr and "test labels" not in results[0].stderr
     assert results[0].stderr == results[1].stderr
     assert seconds < WITHIN, seconds
@@ -158,7 +156,7 @@ def test_the_cpu_script_and_the_gpu_script_in_one_job_stop_naming_the_backend(da
         results, "error: the machines disagree on backend: ", "backend Gloo (convnet_distributed.py)"
     )
     assert "backend NCCL (convnet_distributed_cuda.py)" in results[0].stderr, results[0].stderr
-    assert "run one script on every machine" in results[0].stderr
+    assert "use the same script and torch version on every machine" in results[0].stderr
     assert seconds < WITHIN, seconds
 
 
@@ -198,10 +196,10 @@ def test_a_machine_running_an_older_script_is_one_line_on_both(data_dir, tmp_pat
 BAD_VALUES = {
     "job": (
         '{"rank": 0, "job": "junk"}',
-        'the rendezvous store returned a record = b\'{"rank": 0, "job": "junk"}\'',
+        'another program wrote a record = b\'{"rank": 0, "job": "junk"}\'',
     ),
-    "ready, too large": ("[0, 1000000000]", "the rendezvous store returned ready = b'[0, 1000000000]'"),
-    "ready, null": ("null", "the rendezvous store returned ready = b'null'"),
+    "ready, too large": ("[0, 1000000000]", "another program wrote ready = b'[0, 1000000000]'"),
+    "ready, null": ("null", "another program wrote ready = b'null'"),
 }
 
 
@@ -221,7 +219,7 @@ def test_a_bad_value_in_the_store_is_one_line_on_every_machine(data_dir, tmp_pat
         store.wait(["rank/1"], datetime.timedelta(seconds=WITHIN))
         store.set(key, value)
     results, seconds = run_together(machines)
-    one_line_each(results, phrase, "choose another --master-port")
+    one_line_each(results, phrase, "use another --master-port")
     assert seconds < WITHIN, seconds
 
 
