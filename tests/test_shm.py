@@ -161,7 +161,7 @@ import torch.multiprocessing as mp
 import convnet_distributed as c
 
 if __name__ == "__main__":  # a spawned worker imports this file too
-    c.start_method = lambda: "spawn"  # as on macOS and Windows
+    c.START_METHOD = "spawn"  # as on macOS and Windows
     start_processes = mp.start_processes
 
     def start_and_tell(fn, args, **kwargs):
