@@ -437,9 +437,8 @@ def parse_args(argv=None):
     machines = number(names[5], -(-world_size // local_size))
     own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
     mpi = name is not None and names[4] == "-"  # no machine index: the roll call tells machines by host
-    # An IPv6 address may come in brackets, as in URLs: [fd00::1]
     addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
-    args.master_addr = args.master_addr and args.master_addr.strip("[]")
+    args.master_addr = args.master_addr and args.master_addr.strip("[]")  # IPv6 as in URLs: [fd00::1]
     said = {"master_addr": addr, "master_port": port} if names[0] == "RANK" else {}  # env://'s store is there
     if name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
         # Of its compressed host list, rack[07-08]-n[1-2],gpu1, the first host (no scontrol): rack07-n1
@@ -1246,13 +1245,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_int(text):
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return positive_float(text, int)
 
 
-def positive_float(text):
-    if not (value := float(text)) > 0:
+def positive_float(text, kind=float):
+    if not (value := kind(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
     return value
 
