@@ -164,9 +164,9 @@ if __name__ == "__main__":  # a spawned worker imports this file too
     c.START_METHOD = "spawn"  # as on macOS and Windows
     start_processes = mp.start_processes
 
-    def start_and_tell(fn, args, **kwargs):
+    def start_and_tell(fn, args, *rest, **kwargs):
         print("data handed down", args[1] is not None, flush=True)
-        return start_processes(fn, args, **kwargs)
+        return start_processes(fn, args, *rest, **kwargs)
 
     mp.start_processes = start_and_tell
     c.main(sys.argv[1:])
