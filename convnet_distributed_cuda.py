@@ -56,6 +56,7 @@ from torchvision import datasets
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "NCCL"  # as failure lines name it
 TEST_BATCH_SIZE = 1000  # large: a GPU does it in about the time of a small one
+START_METHOD = "spawn"  # CUDA cannot run in a forked child of a process that has used it
 # --dataset: its class, and the mean and std of its training pixels in [0, 1]
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
@@ -275,13 +276,6 @@ def main(argv=None):
             run_workers(job, None, args.num_gpu_processes, listener)
 
 
-def parse_args(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    complete_args(parser, args)
-    return args
-
-
 # ============================================================================================================
 # Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
 # M1-M2: this script's own rooms. S1-S9: the shared block, the same code as in convnet_distributed.py.
@@ -314,7 +308,7 @@ def build_parser():
     add("--num-machines", "machines in the job (default: 1)", type=positive_int)
     add("--num-gpu-processes", "processes here, one per GPU from 0 (default: every GPU)", type=positive_int)
     add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
-    add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)", type=host)
+    add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
     add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
         choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
@@ -331,10 +325,6 @@ def placement(args, local_rank):
     """(rank, world size, processes on this machine)."""
     rank = args.machine_id * args.num_gpu_processes + local_rank if args.rank is None else args.rank
     return rank, args.world_size, args.num_gpu_processes
-
-
-def start_method():
-    return "spawn"  # CUDA cannot run in a forked child of a process that has used it, as the launcher has
 
 
 # ---- M2. GPUs and NCCL -------------------------------------------------------------------------------------
@@ -422,17 +412,21 @@ LAUNCHERS = {
 }  # fmt: skip
 
 
-def fill_layout(parser, args):
-    """Machines, processes, machine id, machine 0's address and port: the flags, else the launcher's."""
+def parse_args(argv=None):
+    """The flags, else the launcher's layout (LAUNCHERS), else defaults; then what argparse cannot check."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     found = (n for n, (v, _) in LAUNCHERS.items() if all(x == "-" or getenv(x) for x in v.split()[:3]))
     name = next(found, None)
-    names, launch = LAUNCHERS.get(name, ("- - - - - -", ""))
-    names = names.split()
+    names, launch = (words.split() for words in LAUNCHERS.get(name, ("- - - - - -", "")))
 
-    def number(variable, default, index=0):  # SLURM's counts per node (2(x2),1): this node's
+    def number(variable, default, index=0):
         text = getenv(variable)
         try:
-            return default if text is None else int(text) if text.isdigit() else expand_counts(text)[index]
+            if text is None or text.isdigit():
+                return default if text is None else int(text)
+            parts = (part.rstrip(")").partition("(x") for part in text.split(","))  # SLURM's 2(x3),1: 2 2 2 1
+            return [int(n) for n, _, times in parts for _ in range(int(times or 1))][index]  # this node's
         except (ValueError, IndexError):
             parser.error(f"{name} set {variable}={text!r}, which is not a whole number")
 
@@ -443,10 +437,14 @@ def fill_layout(parser, args):
     machines = number(names[5], -(-world_size // local_size))
     own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
     mpi = name is not None and names[4] == "-"  # no machine index: the roll call tells machines by host
-    addr, port = host(getenv("MASTER_ADDR", "")) or None, getenv("MASTER_PORT")
+    addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
+    args.master_addr = args.master_addr and args.master_addr.strip("[]")  # IPv6 as in URLs: [fd00::1]
     said = {"master_addr": addr, "master_port": port} if names[0] == "RANK" else {}  # env://'s store is there
     if name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
-        addr = addr or first_host(getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost"))
+        # Of its compressed host list, rack[07-08]-n[1-2],gpu1, the first host (no scontrol): rack07-n1
+        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
+        first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
+        addr = addr or re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number
         port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
     if mpi and machines > 1 and not (args.master_addr or addr):
         fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
@@ -463,33 +461,42 @@ def fill_layout(parser, args):
             flag = f"--{key.replace('_', '-')} {given}"
             parser.error(f"{flag} disagrees with {name}, which set {said[key]}: drop the flag, or {fix}")
         setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
+    if not 0 <= args.machine_id < args.num_machines:
+        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     try:  # MASTER_PORT, unchecked so far
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
     launched = name is not None and not own  # this process is one rank of the launcher's
     args.rank, args.local_rank = (rank, local_rank) if launched else (None, 0)
-    args.world_size = world_size if launched else args.num_machines * getattr(args, processes)
+    here = getattr(args, processes)
+    args.world_size = world_size if launched else args.num_machines * here
+    args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
     restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
     args.launcher, args.by_host, args.launch_note = name, mpi, {
         "torchrun": "torchrun" + (f", restart {restart}" if restart != "0" else ""),
         "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own
         else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
-    ids = [getenv(v) for v in launch.split()] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
+    ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
-
-
-def first_host(nodes):
-    """The first host of SLURM's compressed host list (no scontrol): of rack[07-08]-n[1-2],gpu1 rack07-n1."""
-    first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
-    return re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number, as written
-
-
-def expand_counts(text):
-    """SLURM's compressed counts per node: 2(x3),1 is 2 2 2 1."""
-    parts = (part.rstrip(")").partition("(x") for part in text.split(","))
-    return [int(count) for count, _, times in parts for _ in range(int(times or 1))]
+    if placement(args, 0)[0] == 0:  # rank 0's command alone names the job's files (roll_call)
+        if args.resume and not args.checkpoint:
+            parser.error("--resume needs --checkpoint PATH")
+        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
+            folder = os.path.dirname(os.path.abspath(path or "."))
+            if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+                parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    omp = getenv("OMP_NUM_THREADS", "")
+    cores, capped_by = usable_cores()
+    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // here))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    return args
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
@@ -1007,7 +1014,7 @@ GROUPS_KEPT = []  # worker()'s groups, never freed: freeing one can deadlock (do
 def run_workers(args, data, nprocs, listener):
     """mp.spawn, with stops blocked as the workers start (fork's bookkeeping lost one) to raise_on_signals."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the worker's line says why
-    method, ctrl_c = start_method(), signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    method, ctrl_c = START_METHOD, signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
     if method == "spawn" and os.name == "posix":
         resource_tracker.ensure_running()  # spawn would start it, unblocking the signals
     if hasattr(signal, "pthread_sigmask"):
@@ -1202,31 +1209,6 @@ def peak_memory_mib():
 # ---- S9. Command-line values and words ---------------------------------------------------------------------
 
 
-def complete_args(parser, args):
-    """The layout (fill_layout), then the checks argparse cannot make alone."""
-    fill_layout(parser, args)
-    rank, _, processes = placement(args, 0)
-    if not 0 <= args.machine_id < args.num_machines:
-        parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
-    if rank == 0:  # rank 0's command alone names the job's files (roll_call): only its machine checks them
-        if args.resume and not args.checkpoint:
-            parser.error("--resume needs --checkpoint PATH")
-        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-            folder = os.path.dirname(os.path.abspath(path or "."))
-            if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-                parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    omp = getenv("OMP_NUM_THREADS", "")
-    cores, capped_by = usable_cores()
-    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
-    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
-        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
-    args.machine_sizes = [processes] * args.num_machines  # a launcher's: the roll call counts them
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line naming the flag, not a usage block first."""
@@ -1236,13 +1218,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_int(text):
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return positive_float(text, int)
 
 
-def positive_float(text):
-    if not (value := float(text)) > 0:
+def positive_float(text, kind=float):
+    if not (value := kind(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
     return value
 
@@ -1251,10 +1231,6 @@ def port_number(text):
     if not 1 <= (value := int(text)) <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 1-65535, got {value}")
     return value
-
-
-def host(text):
-    return text.strip("[]")  # an IPv6 address may come in brackets, as in URLs: [fd00::1]
 
 
 def usable_cores():

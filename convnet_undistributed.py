@@ -299,13 +299,11 @@ def build_parser():
 
 
 def positive_int(text):
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return positive_float(text, int)
 
 
-def positive_float(text):
-    if not (value := float(text)) > 0:
+def positive_float(text, kind=float):
+    if not (value := kind(text)) > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
     return value
 

@@ -1,7 +1,7 @@
 """Every way a cluster starts a job, read from one table (LAUNCHERS), and a rendezvous that knows who is who.
 
-The first tests set each launcher's variables as it sets them and check the layout that fill_layout() and
-parse_args() make of them; the launchers themselves run in tests/test_slurm.py (srun), here (mpirun) and
+The first tests set each launcher's variables as it sets them and check the layout that parse_args()
+makes of them; the launchers themselves run in tests/test_slurm.py (srun), here (mpirun) and
 tests/test_multihost.py (elastic torchrun). The last tests start real launches on this host that cannot make
 one job, and check that each ends within seconds with one line naming the mistake, and nothing left running.
 """
@@ -265,14 +265,24 @@ def test_plain_rank_and_world_size_take_the_first_gpu_of_their_own(clean_env, mo
     assert args.local_rank == 3
 
 
-def test_compressed_slurm_host_lists_and_counts_expand(clean_env):
+def test_compressed_slurm_host_lists_and_counts_expand(clean_env, monkeypatch):
     """Machine 0 is the step's first node: of SLURM's compressed host list, its first host."""
-    first = convnet_distributed.first_host
+
+    def first(nodes):
+        args, _ = layout(convnet_distributed, monkeypatch, dict(SRUN_2X2, SLURM_STEP_NODELIST=nodes))
+        return args.master_addr
+
     assert first("node[01-04,07]") == "node01"
     assert first("gpu3,node[9-11],login") == "gpu3" and first("node[9-11],login") == "node9"
     assert first("rack[1-2]-n[0-1]") == "rack1-n0"
     assert first("single") == "single"
-    assert convnet_distributed.expand_counts("2(x3),1") == [2, 2, 2, 1]
+    counts = dict(SRUN_2X2, SLURM_STEP_TASKS_PER_NODE="2(x3),1", SLURM_STEP_NUM_NODES="4",
+                  SLURM_STEP_NUM_TASKS="7", SLURM_LOCALID="0")  # fmt: skip
+    processes = []  # node n's tasks: n's of SLURM's compressed counts
+    for node in range(4):
+        env = dict(counts, SLURM_NODEID=str(node), SLURM_PROCID=str(2 * node))
+        processes.append(layout(convnet_distributed, monkeypatch, env)[1])
+    assert processes == [2, 2, 2, 1]  # 2(x3),1 is 2 2 2 1
 
 
 def test_a_launcher_variable_that_is_not_a_number_is_one_line(clean_env, monkeypatch, capsys):

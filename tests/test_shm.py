@@ -161,12 +161,12 @@ import torch.multiprocessing as mp
 import convnet_distributed as c
 
 if __name__ == "__main__":  # a spawned worker imports this file too
-    c.start_method = lambda: "spawn"  # as on macOS and Windows
+    c.START_METHOD = "spawn"  # as on macOS and Windows
     start_processes = mp.start_processes
 
-    def start_and_tell(fn, args, **kwargs):
+    def start_and_tell(fn, args, *rest, **kwargs):
         print("data handed down", args[1] is not None, flush=True)
-        return start_processes(fn, args, **kwargs)
+        return start_processes(fn, args, *rest, **kwargs)
 
     mp.start_processes = start_and_tell
     c.main(sys.argv[1:])
