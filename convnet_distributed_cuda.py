@@ -1235,22 +1235,7 @@ def complete_args(parser, args):
     rank, _, processes = placement(args, 0)
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
-    if rank == 0:  # rank 0's command alone names the job's files (roll_call): only its machine checks them
-        if args.resume and not args.checkpoint:
-            parser.error("--resume needs --checkpoint PATH")
-        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-            folder = os.path.dirname(os.path.abspath(path or "."))
-            if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-                parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    omp = getenv("OMP_NUM_THREADS", "")
-    cores, capped_by = usable_cores()
-    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
-    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
-        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    check_args(parser, args, processes, files=rank == 0)  # rank 0's command alone names the files
     args.machine_sizes = [processes] * args.num_machines  # a launcher's: the roll call counts them
 
 
@@ -1284,13 +1269,29 @@ def host(text):
     return text.strip("[]")  # an IPv6 address may come in brackets, as in URLs: [fd00::1]
 
 
-def usable_cores():
-    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
+def check_args(parser, args, processes=1, files=True):
+    """Checks argparse cannot make; --threads defaults to OMP_NUM_THREADS, else the usable cores' share."""
+    if files and args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if files and path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    # The usable cores: the fewest of the affinity mask, a cgroup quota and SLURM_CPUS_PER_TASK
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
-    return min(caps, key=lambda cap: cap[0])  # the first of equals: a cap is named only where it decided
+    cores, capped_by = min(caps, key=lambda cap: cap[0])  # the first of equals: named only where it decided
+    omp = getenv("OMP_NUM_THREADS", "")
+    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    return args
 
 
 def cgroup_cpus():

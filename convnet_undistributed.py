@@ -249,22 +249,7 @@ def main(argv=None):
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint PATH")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-        folder = os.path.dirname(os.path.abspath(path or "."))
-        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    omp = getenv("OMP_NUM_THREADS", "")
-    args.threads, args.threads_from = (args.threads, "") if args.threads or omp else usable_cores()
-    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
-        args.threads = args.threads or positive_int(omp.split(",")[0])
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
-    return args
+    return check_args(parser, parser.parse_args(argv))
 
 
 class Parser(argparse.ArgumentParser):
@@ -316,13 +301,29 @@ def getenv(name, default=None):
 
 
 # ---- Machinery: speed and robustness (a first reading may skip it)
-def usable_cores():
-    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
+def check_args(parser, args, processes=1, files=True):
+    """Checks argparse cannot make; --threads defaults to OMP_NUM_THREADS, else the usable cores' share."""
+    if files and args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if files and path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
+    # The usable cores: the fewest of the affinity mask, a cgroup quota and SLURM_CPUS_PER_TASK
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
-    return min(caps, key=lambda cap: cap[0])  # the first of equals: a cap is named only where it decided
+    cores, capped_by = min(caps, key=lambda cap: cap[0])  # the first of equals: named only where it decided
+    omp = getenv("OMP_NUM_THREADS", "")
+    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    return args
 
 
 def cgroup_cpus():

@@ -35,7 +35,7 @@ SAME_IN_ALL = [
     "release_freed_memory",
     "peak_memory_mib",
     "exit_at_once",
-    "usable_cores",
+    "check_args",
     "cgroup_cpus",
     "getenv",
     "plural",
