@@ -223,7 +223,7 @@ def test_fashion_mnist_statistics_are_its_own():
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_no_function_changes_args_after_parse_args(module):
-    """args stays what the command typed, its layout filled in by parse_args (fill_layout, complete_args):
+    """args stays what the command typed, its layout filled in by parse_args (fill_layout, check_args...):
     the job as decided later (the port taken, the roll call's machines, rank 0's files) is a record apart."""
     changed = []
     for function in ast.walk(ast.parse(inspect.getsource(module))):
@@ -231,6 +231,7 @@ def test_no_function_changes_args_after_parse_args(module):
             "parse_args",
             "fill_layout",
             "complete_args",
+            "check_args",
         ):
             continue
         for node in ast.walk(function):
