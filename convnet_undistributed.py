@@ -327,12 +327,12 @@ def cgroup_cpus():
             v1 = "cpu" in controllers.split(",")
             for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                texts = []
+                text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
                     for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
                         with open(f"{folder}/{name}") as file:
-                            texts.append(file.read())
-                    quota, period = map(int, "".join(texts).split())
+                            text += file.read() + " "
+                    quota, period = map(int, text.split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
