@@ -73,12 +73,9 @@ class ConvNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, 1)
-        self.conv2 = nn.Conv2d(16, 32, 3, 1)
-        self.dropout1 = nn.Dropout(0.10)
-        self.dropout2 = nn.Dropout(0.25)
-        self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool
-        self.fc2 = nn.Linear(64, 10)
+        self.conv1, self.conv2 = nn.Conv2d(1, 16, 3, 1), nn.Conv2d(16, 32, 3, 1)
+        self.dropout1, self.dropout2 = nn.Dropout(0.10), nn.Dropout(0.25)
+        self.fc1, self.fc2 = nn.Linear(4608, 64), nn.Linear(64, 10)  # 4608: 32 channels x 12 x 12
 
     def forward(self, x):
         x = F.relu(self.conv2(F.relu(self.conv1(x))))
@@ -89,10 +86,9 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def load_data(args):
-    """Both splits as uint8 images [N, 28, 28] and int64 labels [N], to slice batches from."""
-    cls = DATASETS[args.dataset][0]
+    """Both splits: uint8 images [N, 28, 28], int64 labels [N]."""
     try:
-        train, test = cls(args.data_dir, train=True), cls(args.data_dir, train=False)
+        train, test = (DATASETS[args.dataset][0](args.data_dir, train=t) for t in (True, False))
     except Exception as e:
         where = f"{args.dataset} from {raw_folder(args)}/"
         sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
@@ -100,7 +96,7 @@ def load_data(args):
 
 
 def to_input(images, dataset):
-    """uint8 [B, 28, 28] to normalised float [B, 1, 28, 28], as ToTensor() then Normalize() give."""
+    """uint8 [B, 28, 28] to float [B, 1, 28, 28], as ToTensor() then Normalize() give."""
     _, mean, std = DATASETS[dataset]
     return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
 
@@ -634,23 +630,8 @@ def parse_args(argv=None):
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
     ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
-    if placement(args, 0)[0] == 0:  # rank 0's command alone names the job's files (roll_call)
-        if args.resume and not args.checkpoint:
-            parser.error("--resume needs --checkpoint PATH")
-        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json)):
-            folder = os.path.dirname(os.path.abspath(path or "."))
-            if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-                parser.error(f"{flag}: cannot write to folder {folder}")
-    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
-        parser.error(f"--data-dir: {args.data_dir} is not a folder")
-    omp = getenv("OMP_NUM_THREADS", "")
-    cores, capped_by = usable_cores()
-    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
-    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
-        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // here))
-    except (ValueError, argparse.ArgumentTypeError):
-        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
-    return args
+    # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
+    return check_args(parser, args, here, files=placement(args, 0)[0] == 0)
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
@@ -1067,12 +1048,12 @@ def resume(model, optimizer, args):
 
 
 def prepare_data(args):
-    """Unpack .gz files placed by hand, else download; each file is renamed into place whole."""
+    """Unpack .gz files placed by hand, else download; each file renamed into place whole."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
     for path in paths:
         if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            try:  # a stop (Ctrl-C, SIGTERM) goes on up
+            try:  # a stop goes on up
                 with gzip.open(path + ".gz") as src:
                     error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
             except Exception as e:
@@ -1091,15 +1072,13 @@ def prepare_data(args):
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         names = ", ".join(map(os.path.basename, paths)) + " (gzipped or not)"
-        sys.exit(
-            f"error: {args.dataset} is not in {folder}/, downloading failed ({reason}): put {names} there"
-        )
+        sys.exit(f"error: {args.dataset} is not in {folder}/, download failed ({reason}): put {names} there")
     finally:
         socket.setdefaulttimeout(None)
 
 
 def read_checkpoint(args):
-    """The checkpoint, or None where there is none yet; a bad one raises ValueError."""
+    """The checkpoint, or None if there is none; a bad one raises ValueError."""
     path = args.checkpoint
     if not os.path.exists(path):
         return None
@@ -1123,9 +1102,9 @@ def save_on_rank0(path, write):
 
 
 def write_atomically(path, write):
-    """Write path whole or not at all, in its own mode or open()'s; returns None or why not."""
+    """Write path whole or not at all, keeping its mode; returns None or why not."""
     buffer, temporary = io.BytesIO(), f"{path}.{os.urandom(8).hex()}.tmp"  # not the PID: pods share disks
-    write(buffer)  # in memory: a full disk fails below, as an OSError
+    write(buffer)  # a full disk fails below, as an OSError
     try:
         with open(temporary, "xb") as f:
             f.write(buffer.getbuffer())
@@ -1301,20 +1280,20 @@ def keep_freed_memory():
     """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB from the reusable heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB freed
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB blocks from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB
 
 
 def release_freed_memory():
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hands back what keep_freed_memory kept
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def keep_pool_gradient_channels_last(model):
-    """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (a conversion there and back)."""
+    """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (two conversions)."""
     last = torch.channels_last
 
-    def on_pooled(module, inputs):  # dropout1's input is the pool's output
+    def on_pooled(module, inputs):  # dropout1's input: the pool's output
         if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
             inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
 
@@ -1352,12 +1331,12 @@ def run_figures(args, device, world_size, history, train_seconds, samples, test,
 
 
 def peak_memory_mib():
-    """Peak resident set so far, in MiB; None on Windows (no resource module)."""
+    """Peak resident set so far, in MiB; None on Windows."""
     with contextlib.suppress(ImportError):
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # macOS: bytes, Linux: KiB
+        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # bytes on macOS, else KiB
 
 
 # ---- S9. Command-line values and words ---------------------------------------------------------------------
@@ -1387,29 +1366,44 @@ def port_number(text):
     return value
 
 
-def usable_cores():
-    """Cores this process may use (affinity, cgroup quota, SLURM_CPUS_PER_TASK), and which cap decided."""
+def check_args(parser, args, processes=1, files=True):
+    """Checks argparse cannot make; --threads: OMP_NUM_THREADS, else the usable cores per process."""
+    if files and args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint PATH")
+    for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if files and path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            parser.error(f"{flag}: cannot write to folder {folder}")
+    if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir: {args.data_dir} is not a folder")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     slurm = getenv("SLURM_CPUS_PER_TASK", "")
     slurm = int(slurm) if slurm.isdigit() and int(slurm) > 0 else cores
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
-    return min(caps, key=lambda cap: cap[0])  # the first of equals: a cap is named only where it decided
+    cores, capped_by = min(caps, key=lambda cap: cap[0])  # of equals the first: named where it decided
+    omp = getenv("OMP_NUM_THREADS", "")
+    args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
+    try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
+        args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
+    except (ValueError, argparse.ArgumentTypeError):
+        parser.error(f"OMP_NUM_THREADS={omp!r} in the environment is not a count: fix it, or pass --threads")
+    return args
 
 
 def cgroup_cpus():
-    """Cores a CPU quota gives (docker --cpus, a Kubernetes limit), rounded up: the tightest up the tree."""
+    """Cores a CPU quota (docker --cpus, a Kubernetes limit) gives, rounded up: the tightest up the tree."""
     quotas = []
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
         for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
             v1 = "cpu" in controllers.split(",")
             for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                texts = []
+                text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
                     for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
                         with open(f"{folder}/{name}") as file:
-                            texts.append(file.read())
-                    quota, period = map(int, "".join(texts).split())
+                            text += file.read() + " "
+                    quota, period = map(int, text.split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
 
