@@ -1169,7 +1169,7 @@ def file_version(path):
 
 
 def stop_line(stop, path, before, stopped=""):
-    """A stop's line: its signal, what stopped, what --checkpoint (path) holds against its launch version."""
+    """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
     line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
     if now is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
@@ -1199,12 +1199,11 @@ def run_workers(args, data, nprocs, listener):
         while not context.join():  # one failing, join stops the others
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code in (130, 143, -signal.SIGTERM):  # a stop: the launcher's line tells it
-            raise Stopped(130 if e.exit_code == 130 else 143) from None
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
         rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
-        sys.exit(1 if e.exit_code == 1 else line)  # 1: the worker's sys.exit, which printed why
+        status = {1: 1, 130: 130, 143: 143, -signal.SIGTERM: 143}  # 1: it said why; a stop: exit_on_signal
+        sys.exit(status.get(e.exit_code, line))
     finally:  # any still running (a stop, a failed start): SIGTERM, then SIGKILL at 10 s
         workers, deadline = mp.active_children(), time.monotonic() + 10
         for process in workers:
@@ -1222,7 +1221,7 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
         launcher = mp.parent_process()  # gone: an orphan's parent id changes; on Windows, its handle ends
         while os.getppid() == launcher.pid and launcher.is_alive():
             time.sleep(0.5)
-        _thread.interrupt_main(signal.SIGTERM)  # raises Stopped, as SIGTERM does
+        _thread.interrupt_main(signal.SIGTERM)  # raises SystemExit(143), as SIGTERM does
         time.sleep(10)
         os._exit(143)  # still here: stuck in a call that never returns to Python
 
@@ -1243,22 +1242,18 @@ def exit_on_signal(args):
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
         yield
-    except Stopped as e:
-        if args.local_rank == 0:
+    except SystemExit as e:
+        if e.code in (130, 143) and args.local_rank == 0:  # a stop: one line a machine
             print(stop_line(e, path, before, ": every process of this launch stopped"), file=sys.stderr)
         raise
 
 
-class Stopped(SystemExit):
-    """Ctrl-C or SIGTERM, raised as sys.exit(128 + its number): clean-ups run, and shells see 130 or 143."""
-
-
 def raise_on_signals(ctrl_c):
-    """Stops raise, not while one is handled: it must not cut a clean-up short; not ctrl_c: Ctrl-C ignored."""
+    """Ctrl-C and SIGTERM raise SystemExit(128 + signal), as shells count; ctrl_c False: Ctrl-C ignored."""
 
     def stop(signum, frame):
-        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):
-            raise Stopped(128 + signum)
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):  # not cutting an exit short
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
@@ -1268,8 +1263,7 @@ def raise_on_signals(ctrl_c):
 
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        if local_rank_of(rank, args) != 0:  # one line a machine; its launcher stops this one
-            time.sleep(2)
+        time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
             f"or did not answer within --timeout {args.timeout:g} s"
@@ -1277,12 +1271,11 @@ def exit_if_contact_lost(error, rank, args):
 
 
 def exit_at_once(end=0):
-    """sys.exit(end) without the teardown: slow, and freeing the group worker() kept can abort. end may be
-    the exception that ended the run."""
+    """sys.exit(end), end also what ended the run, without the teardown: slow, and a kept group can abort."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if isinstance(end, SystemExit):  # a stop's too: 130 or 143
+    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
         end = end.code
     elif isinstance(end, BaseException):  # a bug: its traceback, and 1
         end = "".join(traceback.format_exception(end)).rstrip()

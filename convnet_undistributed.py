@@ -241,8 +241,9 @@ def main(argv=None):
         model = ConvNet().to(memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
         train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), load_data(args), args)
-    except Stopped as e:  # its status is 130 or 143, once this line is out
-        print(stop_line(e, args.checkpoint, before), file=sys.stderr)
+    except SystemExit as e:
+        if e.code in (130, 143):  # a stop (raise_on_signals)
+            print(stop_line(e, args.checkpoint, before), file=sys.stderr)
         raise
 
 
@@ -366,16 +367,12 @@ def keep_pool_gradient_channels_last(model):
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
-class Stopped(SystemExit):
-    """Ctrl-C or SIGTERM, raised as sys.exit(128 + its number): clean-ups run, and shells see 130 or 143."""
-
-
 def raise_on_signals(ctrl_c):
-    """Stops raise, not while one is handled: it must not cut a clean-up short; not ctrl_c: Ctrl-C ignored."""
+    """Ctrl-C and SIGTERM raise SystemExit(128 + signal), as shells count; ctrl_c False: Ctrl-C ignored."""
 
     def stop(signum, frame):
-        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):
-            raise Stopped(128 + signum)
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):  # not cutting an exit short
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
@@ -410,7 +407,7 @@ def file_version(path):
 
 
 def stop_line(stop, path, before, stopped=""):
-    """A stop's line: its signal, what stopped, what --checkpoint (path) holds against its launch version."""
+    """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
     line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
     if now is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
@@ -420,12 +417,11 @@ def stop_line(stop, path, before, stopped=""):
 
 
 def exit_at_once(end=0):
-    """sys.exit(end) without the teardown, which pages torch in only to unload it; end may be the exception
-    that ended the run."""
+    """sys.exit(end), end also what ended the run, without the teardown: it pages torch in to unload it."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if isinstance(end, SystemExit):  # a stop's too: 130 or 143
+    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
         end = end.code
     elif isinstance(end, BaseException):  # a bug: its traceback, and 1
         end = "".join(traceback.format_exception(end)).rstrip()

@@ -39,7 +39,6 @@ SAME_IN_ALL = [
     "cgroup_cpus",
     "getenv",
     "plural",
-    "Stopped",
     "raise_on_signals",
     "write_atomically",
     "file_version",
