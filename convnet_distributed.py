@@ -1127,16 +1127,14 @@ def file_version(path):
         return found.st_ino, found.st_mtime_ns, found.st_size
 
 
-def checkpoint_note(path, before):
-    """The interrupt line's words on --checkpoint, against its version at launch."""
-    now = file_version(path)
-    if path is None:
-        return ""
+def stop_line(stop, path, before, stopped=""):
+    """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
+    line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
     if now is None:
-        return f"; no epoch completed, so nothing was saved to {path}"
+        return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
-        return f"; no epoch completed since this launch: {path} is as it was before"
-    return f"; {path} holds the last complete epoch"
+        return f"{line}; no epoch completed since this launch: {path} is as it was before"
+    return f"{line}; {path} holds the last complete epoch"
 
 
 # ---- S7. Processes, signals and exit -----------------------------------------------------------------------
@@ -1160,12 +1158,11 @@ def run_workers(args, data, nprocs, listener):
         while not context.join():  # one failing, join stops the others
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code in (130, 143, -signal.SIGTERM):  # a stop: the launcher's line tells it
-            raise (KeyboardInterrupt if e.exit_code == 130 else Terminated) from None
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
         rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
-        sys.exit(1 if e.exit_code == 1 else line)  # 1: the worker's sys.exit, which printed why
+        status = {1: 1, 130: 130, 143: 143, -signal.SIGTERM: 143}  # 1: it said why; a stop: exit_on_signal
+        sys.exit(status.get(e.exit_code, line))
     finally:  # any still running (a stop, a failed start): SIGTERM, then SIGKILL at 10 s
         workers, deadline = mp.active_children(), time.monotonic() + 10
         for process in workers:
@@ -1183,7 +1180,7 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
         launcher = mp.parent_process()  # gone: an orphan's parent id changes; on Windows, its handle ends
         while os.getppid() == launcher.pid and launcher.is_alive():
             time.sleep(0.5)
-        _thread.interrupt_main(signal.SIGTERM)  # raises Terminated, as SIGTERM does
+        _thread.interrupt_main(signal.SIGTERM)  # raises SystemExit(143), as SIGTERM does
         time.sleep(10)
         os._exit(143)  # still here: stuck in a call that never returns to Python
 
@@ -1191,41 +1188,31 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
     try:
         raise_on_signals(ctrl_c)
         worker(local_rank, args, data, listener)
-    except SystemExit as e:
-        exit_at_once(e.code)
-    except BaseException as e:  # not spawn's handler: 0 for Ctrl-C, and a teardown for a bug
-        if isinstance(e, Exception):
-            traceback.print_exc()
-        exit_at_once({KeyboardInterrupt: 130, Terminated: 143}.get(type(e), 1))
+    except BaseException as e:  # not spawn's handler, which tears the group down after a bug
+        exit_at_once(e)
     exit_at_once()
 
 
 @contextlib.contextmanager
 def exit_on_signal(args):
-    """Ctrl-C or SIGTERM runs every clean-up, then exits 128 + signal with one line a machine."""
-    before = file_version(args.checkpoint)
+    """Ctrl-C or SIGTERM runs every clean-up, then exits 130 or 143 with one line a machine."""
+    path = args.checkpoint if args.machine_id == 0 else None  # machine 0's line says what it holds
+    before = file_version(path)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
         yield
-    except (KeyboardInterrupt, Terminated) as e:
-        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        if args.local_rank == 0:  # machine 0's line says what the checkpoint holds
-            kept = checkpoint_note(args.checkpoint if args.machine_id == 0 else None, before)
-            print(f"{how}: every process of this launch stopped{kept}", file=sys.stderr)
-        sys.exit(status)
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt."""
+    except SystemExit as e:
+        if e.code in (130, 143) and args.local_rank == 0:  # a stop: one line a machine
+            print(stop_line(e, path, before, ": every process of this launch stopped"), file=sys.stderr)
+        raise
 
 
 def raise_on_signals(ctrl_c):
-    """A stop raises unless one is being handled (a second must not cut a clean-up short); ctrl_c False:
-    Ctrl-C stays ignored, as a background job's is."""
+    """Ctrl-C and SIGTERM raise SystemExit(128 + signal), as shells count; ctrl_c False: Ctrl-C ignored."""
 
     def stop(signum, frame):
-        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
-            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):  # not cutting an exit short
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
@@ -1235,28 +1222,31 @@ def raise_on_signals(ctrl_c):
 
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        if local_rank_of(rank, args) != 0:  # one line a machine; its launcher stops this one
-            time.sleep(2)
+        time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
         sys.exit(
             f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
             f"or did not answer within --timeout {args.timeout:g} s"
         )
 
 
-def exit_at_once(status=0):
-    """sys.exit(status) without the teardown: slow, and freeing the group worker() kept can abort."""
+def exit_at_once(end=0):
+    """sys.exit(end), end also what ended the run, without the teardown: slow, and a kept group can abort."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if status is not None and not isinstance(status, int):
-        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
-        status = 1
+    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
+        end = end.code
+    elif isinstance(end, BaseException):  # a bug: its traceback, and 1
+        end = "".join(traceback.format_exception(end)).rstrip()
+    if end is not None and not isinstance(end, int):
+        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in between
+        end = 1
     sys.stdout.flush()
     sys.stderr.flush()
     if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
-    os._exit(status or 0)
+    os._exit(end or 0)
 
 
 # ---- S8. Memory, speed-ups and the run's figures -----------------------------------------------------------
@@ -1432,9 +1422,6 @@ def last_line(error):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # every failure's one line, every signal's status
-        exit_at_once(e.code)
-    except Exception:  # a bug: its traceback, then out as ever (a group kept unfreed: exit_at_once)
-        traceback.print_exc()
-        exit_at_once(1)
+    except BaseException as e:  # a failure's line, a stop's status, a bug's traceback
+        exit_at_once(e)
     exit_at_once()

@@ -235,10 +235,10 @@ def main(argv=None):
         model = ConvNet().to(memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
         train(model, torch.optim.Adadelta(model.parameters(), lr=args.lr), load_data(args), args)
-    except (KeyboardInterrupt, Terminated) as e:
-        how, status = ("Terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("Interrupted", 130)
-        print(how + checkpoint_note(args.checkpoint, before), file=sys.stderr)
-        sys.exit(status)  # 128 + the signal's number, as a shell reports it
+    except SystemExit as e:
+        if e.code in (130, 143):  # a stop (raise_on_signals)
+            print(stop_line(e, args.checkpoint, before), file=sys.stderr)
+        raise
 
 
 def parse_args(argv=None):
@@ -359,17 +359,12 @@ def keep_pool_gradient_channels_last(model):
     model.dropout1.register_forward_pre_hook(on_pooled)
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt."""
-
-
 def raise_on_signals(ctrl_c):
-    """A stop raises unless one is being handled (a second must not cut a clean-up short); ctrl_c False:
-    Ctrl-C stays ignored, as a background job's is."""
+    """Ctrl-C and SIGTERM raise SystemExit(128 + signal), as shells count; ctrl_c False: Ctrl-C ignored."""
 
     def stop(signum, frame):
-        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt, Terminated)):
-            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+        if not isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt)):  # not cutting an exit short
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if ctrl_c else signal.SIG_IGN)
@@ -403,40 +398,39 @@ def file_version(path):
         return found.st_ino, found.st_mtime_ns, found.st_size
 
 
-def checkpoint_note(path, before):
-    """The interrupt line's words on --checkpoint, against its version at launch."""
-    now = file_version(path)
-    if path is None:
-        return ""
+def stop_line(stop, path, before, stopped=""):
+    """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
+    line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
     if now is None:
-        return f"; no epoch completed, so nothing was saved to {path}"
+        return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
-        return f"; no epoch completed since this launch: {path} is as it was before"
-    return f"; {path} holds the last complete epoch"
+        return f"{line}; no epoch completed since this launch: {path} is as it was before"
+    return f"{line}; {path} holds the last complete epoch"
 
 
-def exit_at_once(status=0):
-    """sys.exit(status) without the teardown, which pages torch in only to unload it."""
+def exit_at_once(end=0):
+    """sys.exit(end), end also what ended the run, without the teardown: it pages torch in to unload it."""
     with contextlib.suppress(ValueError):  # ValueError: not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if status is not None and not isinstance(status, int):
-        sys.stderr.write(f"{status}\n")  # one write: print's two let another process's line in between
-        status = 1
+    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
+        end = end.code
+    elif isinstance(end, BaseException):  # a bug: its traceback, and 1
+        end = "".join(traceback.format_exception(end)).rstrip()
+    if end is not None and not isinstance(end, int):
+        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in between
+        end = 1
     sys.stdout.flush()
     sys.stderr.flush()
     if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
-    os._exit(status or 0)
+    os._exit(end or 0)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:
-        exit_at_once(e.code)
-    except Exception:  # a bug: its traceback, then out at once all the same
-        traceback.print_exc()
-        exit_at_once(1)
+    except BaseException as e:  # a failure's line, a stop's status, a bug's traceback
+        exit_at_once(e)
     exit_at_once()

@@ -242,13 +242,16 @@ def test_the_interrupt_line_says_what_the_checkpoint_really_holds(
 
 
 def test_the_interrupt_line_after_an_epoch_says_the_checkpoint_holds_it(tmp_path):
-    """checkpoint_note against the file's version at launch: replaced, it holds the last complete epoch."""
-    ck = tmp_path / "ck.pt"
+    """stop_line against the file's version at launch: replaced, it holds the last complete epoch."""
+    ck, stop = tmp_path / "ck.pt", SystemExit(130)
     ck.write_bytes(b"old")
     before = convnet_undistributed.file_version(ck)
     assert convnet_undistributed.write_atomically(ck, lambda f: f.write(b"new")) is None
-    assert convnet_undistributed.checkpoint_note(str(ck), before) == f"; {ck} holds the last complete epoch"
-    assert convnet_undistributed.checkpoint_note(None, before) == ""
+    assert (
+        convnet_undistributed.stop_line(stop, str(ck), before)
+        == f"Interrupted; {ck} holds the last complete epoch"
+    )
+    assert convnet_undistributed.stop_line(stop, None, before) == "Interrupted"
 
 
 C_PRINTF_THEN_EXIT = """
@@ -282,7 +285,7 @@ def test_leaving_at_once_keeps_what_c_code_buffered_in_stdio(tmp_path, module):
     assert out.read_text() == "written by C's printf\n"
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, convnet_distributed.Terminated])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
 def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypatch, stop):
     """Ctrl-C or SIGTERM midway through unpacking MNIST's images left their temporary file (47 MB) in the data
     folder: only an Exception removed it."""

@@ -39,11 +39,10 @@ SAME_IN_ALL = [
     "cgroup_cpus",
     "getenv",
     "plural",
-    "Terminated",
     "raise_on_signals",
     "write_atomically",
     "file_version",
-    "checkpoint_note",
+    "stop_line",
 ]
 # The story functions the two distributed scripts share; their machinery is one block, compared whole below.
 SAME_IN_DISTRIBUTED = [
