@@ -276,20 +276,8 @@ def main(argv=None):
 
 
 # ============================================================================================================
-# Machinery: what makes the story above fail clearly and run fast. A first reading may skip it. Its rooms:
-#   M1. This script's layout: flags, else the launcher's, else one process
-#   M2. Network interfaces: where Gloo listens
-#   M3. The gradient average in shared memory
-#   and the shared block, the same code in the other distributed script:
-#   S1. Launchers: who started this process, and the layout it says
-#   S2. The rendezvous: machine 0's port and store
-#   S3. The roll call: one job, one decision
-#   S4. Stopping together, and reaching every machine
-#   S5. --check, and compression for slow links
-#   S6. Files: whole or not at all
-#   S7. Processes, signals and exit
-#   S8. Memory, speed-ups and the run's figures
-#   S9. Command-line values and words
+# Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
+# M1-M3: this script's own rooms. S1-S9: the shared block, the same code as in convnet_distributed_cuda.py.
 # ============================================================================================================
 
 
