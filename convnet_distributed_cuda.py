@@ -202,11 +202,11 @@ def join_group(rank, world_size, args, listener=None):
     # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
     one_gpu_each(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
-    reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
     keep_nccl_on_loopback(world_size, job)
     # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
     gpu = torch.device("cuda", torch.cuda.current_device())
-    with nccl_failures(store, rank, job):
+    with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not NCCL's C++ log
+        reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
         dist.init_process_group(
             "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
         )
@@ -363,19 +363,10 @@ def one_gpu_each(store, rank, world_size, args):
         abort_job(store, rank, args, f"{cause}: {fix}")
 
 
-@contextlib.contextmanager
-def nccl_failures(store, rank, args):
-    """One line on every machine: the processes still waiting stop too."""
-    try:
-        with exit_on_abort(rank, args):
-            yield
-    except RuntimeError as e:
-        line = f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)})"
-        abort_job(store, rank, args, f"{line}: open TCP between the machines, or set NCCL_SOCKET_IFNAME")
-
-
 def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
-    return ("by NCCL" if allreduce == "nccl" else "over Gloo") + compression_words(args.compress)
+    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
+    words = {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
+    return ("by NCCL" if allreduce == "nccl" else "over Gloo") + words
 
 
 def keep_nccl_on_loopback(world_size, args):
@@ -560,13 +551,14 @@ def machine0_twice(args):
 
 def resolve(args, rank, connect):
     """--master-addr's addresses once it resolves; with connect, once machine 0 listens (TCPStore's wait is
-    deaf to signals)."""
+    deaf to signals): the connection's ends."""
     addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
     while True:
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-            if connect:
-                socket.create_connection((addr, port), timeout=5).close()
+            if connect:  # this end's address, and machine 0's as this machine reaches it
+                with socket.create_connection((addr, port), timeout=5) as s:
+                    return [end[0].split("%")[0] for end in (s.getsockname(), s.getpeername())]
             return found
         except socket.gaierror as e:
             why = f"--master-addr {addr} does not resolve ({e.strerror}): give machine 0's address"
@@ -786,27 +778,43 @@ def abort_job(store, rank, args, line, end=sys.exit):
 
 
 @contextlib.contextmanager
-def exit_on_abort(rank, args, stderr=2):
-    """Around a wait in C++: abort_job's line stops this process within a second."""
-    done = threading.Event()
+def exit_on_abort(store, rank, args):
+    """Around a wait in C++: abort_job's line stops this process within a second; a failure to connect is one
+    line on every machine, and the backend's C++ log of each try is held back till then."""
+    done, real = threading.Event(), os.dup(2)
 
     def watch():  # a store client of its own: the backend's may be blocked
         with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
-            store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
-            store = dist.PrefixStore(torchrun_attempt(), store) if args.launcher == "torchrun" else store
+            own = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
+            own = dist.PrefixStore(torchrun_attempt(), own) if args.launcher == "torchrun" else own
             while not done.wait(0.5):
-                if store.check(["abort"]):
-                    os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
-                    line = store.get("abort").decode(errors="replace").strip()[:2000]
+                if own.check(["abort"]):
+                    os.dup2(real, 2)
+                    line = own.get("abort").decode(errors="replace").strip()[:2000]
                     abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
     watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    sys.stderr.flush()
     try:
-        yield
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            watcher.start()
+            try:
+                yield
+            finally:
+                done.set()
+                watcher.join(5)
+                os.dup2(real, 2)
+            held.seek(0)
+            sys.stderr.buffer.write(held.read())
+            sys.stderr.flush()
+    except RuntimeError as e:
+        line = f"error: rank {rank}: {BACKEND} cannot connect the processes ({last_line(e)})"
+        abort_job(
+            store, rank, args, f"{line}: open TCP between machines, or set {BACKEND.upper()}_SOCKET_IFNAME"
+        )
     finally:
-        done.set()
-        watcher.join(5)
+        os.close(real)
 
 
 def local_rank_of(rank, args):
@@ -818,23 +826,21 @@ def reach_every_machine(store, rank, args):
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
-    with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
-        near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
+    near, far = resolve(args, rank, connect=True)
     with contextlib.suppress(ValueError, TypeError, LookupError):  # where Gloo listens, if published
         if store.check([f"machine/{me}"]):
             near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
     with listening(0) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            with exit_on_abort(rank, args):  # another machine's line stops this one
-                store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
-                for m in others:
-                    value = store.get(f"probe/{m}")
-                    address, at, host = value.decode().split() if len(value) < 300 else ()
-                    address = far if is_loopback(address) else address  # machine 0, as this one reaches it
-                    socket.create_connection((address, port_number(at)), timeout=5).close()
-                store.set(f"probed/{me}", "1")  # listening until the others have tried
-                store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
+            store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
+            for m in others:
+                value = store.get(f"probe/{m}")
+                address, at, host = value.decode().split() if len(value) < 300 else ()
+                address = far if is_loopback(address) else address  # machine 0, as this one reaches it
+                socket.create_connection((address, port_number(at)), timeout=5).close()
+            store.set(f"probed/{me}", "1")  # listening until the others have tried
+            store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
         except dist.DistError:  # the store went, or a machine took no part: the backend will say
             return
         except (ValueError, argparse.ArgumentTypeError):  # port_number's
@@ -882,11 +888,6 @@ def check_group(world_size, device, args):
     line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
     slow = network > compute / 2 and args.compress != "powersgd"
     print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
-
-
-def compression_words(compress):
-    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    return {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[compress]
 
 
 def compress_gradients(ddp_model, compress):

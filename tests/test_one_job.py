@@ -315,7 +315,7 @@ args = script.parse_args(["--master-port", sys.argv[2], "--num-processes", "2", 
 server = dist.TCPStore("127.0.0.1", args.master_port, 2, True, wait_for_workers=False)
 store = dist.TCPStore("127.0.0.1", args.master_port, 2, False)
 threading.Timer(2, lambda: server.set("abort", "error: rank 0: the line of the process that failed")).start()
-with script.exit_on_abort(0, args):
+with script.exit_on_abort(None, 0, args):
     store.get("never")  # as Gloo's set-up waits for a peer's address, holding this client
 """
 
