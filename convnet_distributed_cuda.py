@@ -201,8 +201,7 @@ def join_group(rank, world_size, args, listener=None):
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
-    one_gpu_each(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
-    keep_nccl_on_loopback(world_size, job)
+    prepare_nccl(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
     # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
     gpu = torch.device("cuda", torch.cuda.current_device())
     with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not NCCL's C++ log
@@ -255,7 +254,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU is visible: this script needs one; on CPUs run convnet_distributed.py")
-    if args.rank is None and args.num_gpu_processes > torch.cuda.device_count():  # else one_gpu_each checks
+    if args.rank is None and args.num_gpu_processes > torch.cuda.device_count():  # else prepare_nccl checks
         sys.exit(
             f"error: --num-gpu-processes {args.num_gpu_processes}: "
             f"only {torch.cuda.device_count()} GPU(s) visible"
@@ -348,9 +347,11 @@ def select_device(local_rank):
     return torch.device("cuda", local_rank)
 
 
-def one_gpu_each(store, rank, world_size, args):
-    """Two ranks on one GPU: one line, not NCCL's "Duplicate GPU detected". The UUID (no check without)
-    tells apart GPUs each process sees as cuda:0."""
+def prepare_nccl(store, rank, world_size, args):
+    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine; two ranks on one GPU: one
+    line, not NCCL's "Duplicate GPU detected" (the UUID tells apart GPUs each process sees as cuda:0)."""
+    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
     index = torch.cuda.current_device()
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
     host, mine = socket.gethostname(), str(rank).encode()
@@ -367,12 +368,6 @@ def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
     powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
     words = {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
     return ("by NCCL" if allreduce == "nccl" else "over Gloo") + words
-
-
-def keep_nccl_on_loopback(world_size, args):
-    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine."""
-    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
-        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
 
 
 def match_gradient_strides(model):
