@@ -194,9 +194,9 @@ def join_group(rank, world_size, args, listener=None):
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
-    choose_gloo_interface(store, rank, world_size, job)  # the address other machines reach this one at
+    address = choose_gloo_interface(store, rank, world_size, job)  # where the other machines reach this one
     with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not Gloo's C++ log
-        reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
+        reach_every_machine(store, rank, job, address)  # a firewall may let only the rendezvous port through
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return job_record(job, **rank0_files(job))  # every rank follows rank 0's files
 
@@ -392,14 +392,15 @@ def choose_gloo_interface(store, rank, world_size, args):
         if spans and rank == 0:
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
-    if local_rank_of(rank, args) == 0:  # reach_every_machine reads it too
+    if local_rank_of(rank, args) == 0:
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
     for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
         try:
-            host, count, name, address = from_json(raw := store.get(f"machine/{machine}"))
+            host, n, on, at = from_json(raw := store.get(f"machine/{machine}"))
         except (TypeError, ValueError):
             abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-        print0(f"Machine {machine} ({host}): {plural(count, 'process')}, Gloo on {name} {address}")
+        print0(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}")
+    return address
 
 
 def check_gloo_socket_ifname():
@@ -953,10 +954,8 @@ def exit_on_abort(store, rank, args):
             sys.stderr.buffer.write(held.read())
             sys.stderr.flush()
     except RuntimeError as e:
-        line = f"error: rank {rank}: {BACKEND} cannot connect the processes ({last_line(e)})"
-        abort_job(
-            store, rank, args, f"{line}: open TCP between machines, or set {BACKEND.upper()}_SOCKET_IFNAME"
-        )
+        line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
+        abort_job(store, rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
     finally:
         os.close(real)
 
@@ -965,15 +964,15 @@ def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 connects to every other on a new port, as the backend will."""
+def reach_every_machine(store, rank, args, listens_on=None):
+    """Each machine's local rank 0 connects to every other on a new port, as the backend will (at listens_on,
+    where known)."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
     near, far = resolve(args, rank, connect=True)
-    with contextlib.suppress(ValueError, TypeError, LookupError):  # where Gloo listens, if published
-        if store.check([f"machine/{me}"]):
-            near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
+    with contextlib.suppress(ValueError):
+        near = str(ipaddress.ip_address(listens_on))
     with listening(0) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:

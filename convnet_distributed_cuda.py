@@ -804,10 +804,8 @@ def exit_on_abort(store, rank, args):
             sys.stderr.buffer.write(held.read())
             sys.stderr.flush()
     except RuntimeError as e:
-        line = f"error: rank {rank}: {BACKEND} cannot connect the processes ({last_line(e)})"
-        abort_job(
-            store, rank, args, f"{line}: open TCP between machines, or set {BACKEND.upper()}_SOCKET_IFNAME"
-        )
+        line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
+        abort_job(store, rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
     finally:
         os.close(real)
 
@@ -816,15 +814,15 @@ def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 connects to every other on a new port, as the backend will."""
+def reach_every_machine(store, rank, args, listens_on=None):
+    """Each machine's local rank 0 connects to every other on a new port, as the backend will (at listens_on,
+    where known)."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
     near, far = resolve(args, rank, connect=True)
-    with contextlib.suppress(ValueError, TypeError, LookupError):  # where Gloo listens, if published
-        if store.check([f"machine/{me}"]):
-            near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
+    with contextlib.suppress(ValueError):
+        near = str(ipaddress.ip_address(listens_on))
     with listening(0) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
