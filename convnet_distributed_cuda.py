@@ -193,7 +193,7 @@ def join_group(rank, world_size, args, listener=None):
     # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-    with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
+    with rendezvous(rank, is_master, args, listener) as options:  # waits for machine 0
         store = dist.TCPStore(
             args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
         )
@@ -482,7 +482,7 @@ def expand_counts(text):
 
 
 @contextlib.contextmanager
-def rendezvous(rank, world_size, is_master, args, listener):
+def rendezvous(rank, is_master, args, listener):
     """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
     resolve(args, rank, connect=not is_master)
     options = {"wait_for_workers": False}  # roll_call waits
@@ -545,10 +545,9 @@ def machine0_twice(args):
 
 
 def resolve(args, rank, connect):
-    """--master-addr's addresses once it resolves; with connect, once machine 0 listens (TCPStore's wait is
-    deaf to signals): the connection's ends."""
+    """--master-addr's addresses; with connect, the ends of a connection to machine 0 once it listens."""
     addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
-    while True:
+    while True:  # not TCPStore's wait: deaf to signals
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
             if connect:  # this end's address, and machine 0's as this machine reaches it
@@ -815,8 +814,7 @@ def local_rank_of(rank, args):
 
 
 def reach_every_machine(store, rank, args, listens_on=None):
-    """Each machine's local rank 0 connects to every other on a new port, as the backend will (at listens_on,
-    where known)."""
+    """Local rank 0 of each machine connects to every other on a new port, as the backend will."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]

@@ -260,7 +260,7 @@ def test_the_port_stays_held_from_the_claim_until_the_store_serves(clean_env):
         with socket.socket() as other, pytest.raises(OSError):
             other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             other.bind(("127.0.0.1", args.master_port))
-        with convnet_distributed.rendezvous(0, 1, True, args, listener) as options:
+        with convnet_distributed.rendezvous(0, True, args, listener) as options:
             store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, **options)
         store.set("served", "yes")
         assert store.get("served") == b"yes"
