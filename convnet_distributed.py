@@ -187,9 +187,7 @@ def join_group(rank, world_size, args, listener=None):
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
     with rendezvous(rank, is_master, args, listener) as options:  # waits for machine 0
-        store = dist.TCPStore(
-            args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
-        )
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
     if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
@@ -635,7 +633,7 @@ def expand_counts(text):
 def rendezvous(rank, is_master, args, listener):
     """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
     resolve(args, rank, connect=not is_master)
-    options = {"wait_for_workers": False}  # roll_call waits
+    options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := listener or claim_port(args)[0]):  # a launcher's rank 0 claims it here
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
