@@ -190,20 +190,17 @@ def join_group(rank, world_size, args, listener=None):
     # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-    with rendezvous(rank, world_size, is_master, args, listener) as options:  # waits for machine 0
-        store = dist.TCPStore(
-            args.master_addr, args.master_port, world_size, is_master, timeout=timeout, **options
-        )
+    with rendezvous(rank, is_master, args, listener) as options:  # waits for machine 0
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
     if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
-    one_gpu_each(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
-    reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
-    keep_nccl_on_loopback(world_size, job)
+    prepare_nccl(store, rank, world_size, job)  # two processes on one GPU: NCCL would fail obscurely
     # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
     gpu = torch.device("cuda", torch.cuda.current_device())
-    with nccl_failures(store, rank, job):
+    with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not NCCL's C++ log
+        reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
         dist.init_process_group(
             "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
         )
@@ -252,7 +249,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU is visible: this script needs one; on CPUs run convnet_distributed.py")
-    if args.rank is None and args.num_gpu_processes > torch.cuda.device_count():  # else one_gpu_each checks
+    if args.rank is None and args.num_gpu_processes > torch.cuda.device_count():  # else prepare_nccl checks
         sys.exit(
             f"error: --num-gpu-processes {args.num_gpu_processes}: "
             f"only {torch.cuda.device_count()} GPU(s) visible"
@@ -334,9 +331,11 @@ def select_device(local_rank):
     return torch.device("cuda", local_rank)
 
 
-def one_gpu_each(store, rank, world_size, args):
-    """Two ranks on one GPU: one line, not NCCL's "Duplicate GPU detected". The UUID (no check without)
-    tells apart GPUs each process sees as cuda:0."""
+def prepare_nccl(store, rank, world_size, args):
+    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine; two ranks on one GPU: one
+    line, not NCCL's "Duplicate GPU detected" (the UUID tells apart GPUs each process sees as cuda:0)."""
+    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
     index = torch.cuda.current_device()
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
     host, mine = socket.gethostname(), str(rank).encode()
@@ -349,25 +348,10 @@ def one_gpu_each(store, rank, world_size, args):
         abort_job(store, rank, args, f"{cause}: {fix}")
 
 
-@contextlib.contextmanager
-def nccl_failures(store, rank, args):
-    """One line on every machine: the processes still waiting stop too."""
-    try:
-        with exit_on_abort(rank, args):
-            yield
-    except RuntimeError as e:
-        line = f"error: rank {rank}: NCCL cannot connect the processes ({last_line(e)})"
-        abort_job(store, rank, args, f"{line}: open TCP between the machines, or set NCCL_SOCKET_IFNAME")
-
-
 def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
-    return ("by NCCL" if allreduce == "nccl" else "over Gloo") + compression_words(args.compress)
-
-
-def keep_nccl_on_loopback(world_size, args):
-    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine."""
-    if world_size == placement(args, 0)[2] and not getenv("NCCL_SOCKET_IFNAME"):
-        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
+    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
+    words = {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
+    return ("by NCCL" if allreduce == "nccl" else "over Gloo") + words
 
 
 def match_gradient_strides(model):
@@ -484,10 +468,10 @@ def parse_args(argv=None):
 
 
 @contextlib.contextmanager
-def rendezvous(rank, world_size, is_master, args, listener):
+def rendezvous(rank, is_master, args, listener):
     """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
     resolve(args, rank, connect=not is_master)
-    options = {"wait_for_workers": False}  # roll_call waits
+    options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := listener or claim_port(args)[0]):  # a launcher's rank 0 claims it here
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
@@ -547,14 +531,14 @@ def machine0_twice(args):
 
 
 def resolve(args, rank, connect):
-    """--master-addr's addresses once it resolves; with connect, once machine 0 listens (TCPStore's wait is
-    deaf to signals)."""
+    """--master-addr's addresses; with connect, the ends of a connection to machine 0 once it listens."""
     addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
-    while True:
+    while True:  # not TCPStore's wait: deaf to signals
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-            if connect:
-                socket.create_connection((addr, port), timeout=5).close()
+            if connect:  # this end's address, and machine 0's as this machine reaches it
+                with socket.create_connection((addr, port), timeout=5) as s:
+                    return [end[0].split("%")[0] for end in (s.getsockname(), s.getpeername())]
             return found
         except socket.gaierror as e:
             why = f"--master-addr {addr} does not resolve ({e.strerror}): give machine 0's address"
@@ -747,55 +731,66 @@ def abort_job(store, rank, args, line, end=sys.exit):
 
 
 @contextlib.contextmanager
-def exit_on_abort(rank, args, stderr=2):
-    """Around a wait in C++: abort_job's line stops this process within a second."""
-    done = threading.Event()
+def exit_on_abort(store, rank, args):
+    """Around a wait in C++: abort_job's line stops this process within a second; a failure to connect is one
+    line on every machine, and the backend's C++ log of each try is held back till then."""
+    done, real = threading.Event(), os.dup(2)
 
     def watch():  # a store client of its own: the backend's may be blocked
         with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
-            store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
-            store = dist.PrefixStore(torchrun_attempt(), store) if args.launcher == "torchrun" else store
+            own = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
+            own = dist.PrefixStore(torchrun_attempt(), own) if args.launcher == "torchrun" else own
             while not done.wait(0.5):
-                if store.check(["abort"]):
-                    os.dup2(stderr, 2)  # the real stderr, where descriptor 2 is held back
-                    line = store.get("abort").decode(errors="replace").strip()[:2000]
+                if own.check(["abort"]):
+                    os.dup2(real, 2)
+                    line = own.get("abort").decode(errors="replace").strip()[:2000]
                     abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
 
     watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    sys.stderr.flush()
     try:
-        yield
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            watcher.start()
+            try:
+                yield
+            finally:
+                done.set()
+                watcher.join(5)
+                os.dup2(real, 2)
+            held.seek(0)
+            sys.stderr.buffer.write(held.read())
+            sys.stderr.flush()
+    except RuntimeError as e:
+        line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
+        abort_job(store, rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
     finally:
-        done.set()
-        watcher.join(5)
+        os.close(real)
 
 
 def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def reach_every_machine(store, rank, args):
-    """Each machine's local rank 0 connects to every other on a new port, as the backend will."""
+def reach_every_machine(store, rank, args, listens_on=None):
+    """Local rank 0 of each machine connects to every other on a new port, as the backend will."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
-    with socket.create_connection((args.master_addr, args.master_port), timeout=5) as s:
-        near, far = (end[0].split("%")[0] for end in (s.getsockname(), s.getpeername()))
-    with contextlib.suppress(ValueError, TypeError, LookupError):  # where Gloo listens, if published
-        if store.check([f"machine/{me}"]):
-            near = str(ipaddress.ip_address(json.loads(store.get(f"machine/{me}"))[3]))
+    near, far = resolve(args, rank, connect=True)
+    with contextlib.suppress(ValueError):
+        near = str(ipaddress.ip_address(listens_on))
     with listening(0) as listener:
         store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            with exit_on_abort(rank, args):  # another machine's line stops this one
-                store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
-                for m in others:
-                    value = store.get(f"probe/{m}")
-                    address, at, host = value.decode().split() if len(value) < 300 else ()
-                    address = far if is_loopback(address) else address  # machine 0, as this one reaches it
-                    socket.create_connection((address, port_number(at)), timeout=5).close()
-                store.set(f"probed/{me}", "1")  # listening until the others have tried
-                store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
+            store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
+            for m in others:
+                value = store.get(f"probe/{m}")
+                address, at, host = value.decode().split() if len(value) < 300 else ()
+                address = far if is_loopback(address) else address  # machine 0, as this one reaches it
+                socket.create_connection((address, port_number(at)), timeout=5).close()
+            store.set(f"probed/{me}", "1")  # listening until the others have tried
+            store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
         except dist.DistError:  # the store went, or a machine took no part: the backend will say
             return
         except (ValueError, argparse.ArgumentTypeError):  # port_number's
@@ -843,11 +838,6 @@ def check_group(world_size, device, args):
     line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
     slow = network > compute / 2 and args.compress != "powersgd"
     print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
-
-
-def compression_words(compress):
-    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    return {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[compress]
 
 
 def compress_gradients(ddp_model, compress):

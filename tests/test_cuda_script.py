@@ -48,7 +48,7 @@ def worker_on_cpu(local_rank, args):
 
 
 def gpu_of_its_own(patch, index):
-    """What one_gpu_each asks of the GPU this process took: cuda:index, a GPU no other process has."""
+    """What prepare_nccl asks of the GPU this process took: cuda:index, a GPU no other process has."""
     patch.setattr(torch.cuda, "current_device", lambda: index)
     patch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=f"GPU-{i}"))
 
@@ -131,7 +131,8 @@ def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
     assert nccl_interface_at_init(monkeypatch, args, 1) == "eth1"
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     two_machines = cuda_script.parse_args(["--num-machines", "2", "--num-gpu-processes", "1"])
-    cuda_script.keep_nccl_on_loopback(2, two_machines)
+    gpu_of_its_own(monkeypatch, 0)
+    cuda_script.prepare_nccl(dist.HashStore(), 0, 2, two_machines)
     assert "NCCL_SOCKET_IFNAME" not in os.environ  # NCCL's own choice, between machines
 
 

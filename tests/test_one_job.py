@@ -258,7 +258,7 @@ def test_the_port_stays_held_from_the_claim_until_the_store_serves(clean_env):
         with socket.socket() as other, pytest.raises(OSError):
             other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             other.bind(("127.0.0.1", args.master_port))
-        with convnet_distributed.rendezvous(0, 1, True, args, listener) as options:
+        with convnet_distributed.rendezvous(0, True, args, listener) as options:
             store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, **options)
         store.set("served", "yes")
         assert store.get("served") == b"yes"
@@ -313,7 +313,7 @@ args = script.parse_args(["--master-port", sys.argv[2], "--num-processes", "2", 
 server = dist.TCPStore("127.0.0.1", args.master_port, 2, True, wait_for_workers=False)
 store = dist.TCPStore("127.0.0.1", args.master_port, 2, False)
 threading.Timer(2, lambda: server.set("abort", "error: rank 0: the line of the process that failed")).start()
-with script.exit_on_abort(0, args):
+with script.exit_on_abort(None, 0, args):
     store.get("never")  # as Gloo's set-up waits for a peer's address, holding this client
 """
 
