@@ -1273,11 +1273,10 @@ def release_freed_memory():
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (two conversions)."""
-    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input: the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
@@ -1312,8 +1311,8 @@ def report(args, device, history, seconds, samples, test, **averaging):
         final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
         test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
     )  # fmt: skip
-    text = json.dumps(figures, indent=2) + "\n"
     if args.metrics_json:
+        text = json.dumps(figures, indent=2) + "\n"
         on_rank0(write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
     print0(f"Finished training in {seconds:.2f} secs")
 

@@ -347,11 +347,10 @@ def release_freed_memory():
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (two conversions)."""
-    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input: the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
