@@ -138,9 +138,8 @@ def train(model, optimizer, data, rank, world_size, args):
         print0(f"Nothing to train: the checkpoint already holds {start_epoch} epoch(s)")
         test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
     test = test_loss, accuracy, n_test
-    averaging = dict(allreduce=allreduce, compress=args.compress if allreduce == "gloo" else "none")
-    figures = run_figures(args, device, world_size, history, seconds, len(train_labels), test, **averaging)
-    report(figures, args)
+    compress = args.compress if allreduce == "gloo" else "none"
+    report(args, device, history, seconds, len(train_labels), test, allreduce=allreduce, compress=compress)
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
@@ -246,10 +245,9 @@ def worker(local_rank, args, data, listener=None):
 
 # ---- 6. Checkpoint
 def save_checkpoint(model, optimizer, epoch, args):
-    flags = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
-    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=flags)
+    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    save_on_rank0(args.checkpoint, lambda f: torch.save(state, f))
+    on_rank0(write_atomically, args.checkpoint, lambda f: torch.save(state, f))
 
 
 # ---- 7. Launch and command line
@@ -996,44 +994,26 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
-    try:
-        sent = [read_checkpoint(args) if dist.get_rank() == 0 else None, None]
-    except ValueError as e:
-        sent = [None, str(e)]
-    dist.broadcast_object_list(sent, src=0)
-    state, error = sent
-    try:
-        if state:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        error = f"{args.checkpoint} does not fit this model ({' '.join(str(e).split())})"
-    if error:
-        sys.exit(f"error: --resume: {error}" if dist.get_rank() == 0 else 1)
-    if not state:
-        print0(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
-        return 0
-    done, group = state["epoch"], optimizer.param_groups[0]
-    print0(f"Resuming from {args.checkpoint}: epoch {done} done, starting epoch {done + 1}")
-    if group["lr"] != args.lr:  # --lr wins, as every flag of a resumed run does
-        print0(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
-    group["lr"] = args.lr
-    return done + 1
+    state = on_rank0(read_checkpoint, args, model, optimizer)
+    if state:  # rank 0's model and optimizer take it twice
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    optimizer.param_groups[0]["lr"] = args.lr  # --lr wins, as every flag of a resumed run does
+    return state["epoch"] + 1 if state else 0
 
 
 def prepare_data(args):
     """Unpack .gz files placed by hand, else download; each file renamed into place whole."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
-    for path in paths:
-        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            try:  # a stop goes on up
-                with gzip.open(path + ".gz") as src:
-                    error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
-            except Exception as e:
-                error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
-            if error:
-                sys.exit(error)
+    for path in [p for p in paths if not os.path.isfile(p) and os.path.isfile(p + ".gz")]:
+        try:  # a stop goes on up
+            with gzip.open(path + ".gz") as src:
+                error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+        except Exception as e:
+            error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+        if error:
+            sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
@@ -1051,28 +1031,39 @@ def prepare_data(args):
         socket.setdefaulttimeout(None)
 
 
-def read_checkpoint(args):
-    """The checkpoint, or None if there is none; a bad one raises ValueError."""
+def read_checkpoint(args, model, optimizer):
+    """Load --checkpoint, if there is one, into model and optimizer: its state, None, or why not (a line)."""
     path = args.checkpoint
     if not os.path.exists(path):
+        print(f"No checkpoint at {path} yet: starting from epoch 0", flush=True)
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
+        return f"error: --resume: cannot read {path} ({type(e).__name__}): truncated or not a checkpoint"
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a checkpoint of these scripts")
+        return f"error: --resume: {path} is not a checkpoint of these scripts"
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        return f"error: --resume: {path} was trained on {state['dataset']}, not --dataset {args.dataset}"
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        return f"error: --resume: {path} does not fit this model ({' '.join(str(e).split())})"
+    done, lr = state["epoch"], optimizer.param_groups[0]["lr"]
+    print(f"Resuming from {path}: epoch {done} done, starting epoch {done + 1}", flush=True)
+    if lr != args.lr:
+        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {lr:g})", flush=True)
     return state
 
 
-def save_on_rank0(path, write):
-    """Rank 0 writes path whole or not at all; if it cannot, every rank stops."""
-    error = [write_atomically(path, write) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        sys.exit(error[0] if dist.get_rank() == 0 else 1)
+def on_rank0(work, *args):
+    """work(*args) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
+    sent = [work(*args) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if isinstance(sent[0], str):
+        sys.exit(sent[0] if dist.get_rank() == 0 else 1)
+    return sent[0]
 
 
 def write_atomically(path, write):
@@ -1231,15 +1222,6 @@ def print0(message):
         print(message, flush=True)
 
 
-def report(metrics, args):
-    seconds, total = metrics["train_seconds"], metrics["total_seconds"]
-    speed = metrics["samples_per_second"] or 0
-    print0(f"Train loop {seconds:.2f} s ({speed:.0f} samples/s); launch to end {total:.2f} s")
-    if args.metrics_json:
-        save_on_rank0(args.metrics_json, lambda f: f.write(json.dumps(metrics, indent=2).encode() + b"\n"))
-    print0(f"Finished training in {seconds:.2f} secs")
-
-
 def keep_freed_memory():
     """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
@@ -1255,11 +1237,10 @@ def release_freed_memory():
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (two conversions)."""
-    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input: the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 
@@ -1279,19 +1260,25 @@ def layout_line(world_size, args, allreduce):
     )
 
 
-def run_figures(args, device, world_size, history, train_seconds, samples, test, **averaging):
-    """For the last lines and --metrics-json; a collective (every rank's peak memory)."""
-    peaks = [None] * world_size
+def report(args, device, history, seconds, samples, test, **averaging):
+    """The last lines and --metrics-json; a collective (every rank's peak memory)."""
+    world_size, peaks = dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory_mib())
-    return dict(
+    speed = len(history) * samples / seconds if seconds else None
+    total = time.time() - LAUNCH_TIME
+    print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
+    figures = dict(
         script=os.path.basename(__file__), dataset=args.dataset, device=str(device), world_size=world_size,
         epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size,
         global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
-        **averaging, train_seconds=train_seconds, total_seconds=time.time() - LAUNCH_TIME,
-        samples_per_second=len(history) * samples / train_seconds if train_seconds else None,
+        **averaging, train_seconds=seconds, total_seconds=total, samples_per_second=speed,
         final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
         test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
     )  # fmt: skip
+    if args.metrics_json:
+        text = json.dumps(figures, indent=2) + "\n"
+        on_rank0(write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
+    print0(f"Finished training in {seconds:.2f} secs")
 
 
 def peak_memory_mib():

@@ -56,15 +56,14 @@ def prepare_data(args):
     """Unpack .gz files placed by hand, else download; each file renamed into place whole."""
     cls, folder = DATASETS[args.dataset][0], raw_folder(args)
     paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
-    for path in paths:
-        if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
-            try:  # a stop goes on up
-                with gzip.open(path + ".gz") as src:
-                    error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
-            except Exception as e:
-                error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
-            if error:
-                sys.exit(error)
+    for path in [p for p in paths if not os.path.isfile(p) and os.path.isfile(p + ".gz")]:
+        try:  # a stop goes on up
+            with gzip.open(path + ".gz") as src:
+                error = write_atomically(path, lambda f: shutil.copyfileobj(src, f))
+        except Exception as e:
+            error = f"error: cannot unpack {path}.gz ({type(e).__name__}: {e}): replace it"
+        if error:
+            sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
     os.makedirs(folder, exist_ok=True)
@@ -188,37 +187,35 @@ def peak_memory_mib():
 # ---- 5. Checkpoint
 def resume(model, optimizer, args):
     """Load --checkpoint; returns the epoch to start from."""
-    try:
-        if (state := read_checkpoint(args)) is None:
-            print(f"No checkpoint at {args.checkpoint} yet: starting from epoch 0")
-            return 0
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, KeyError) as e:
-        sys.exit(f"error: --resume: {args.checkpoint} does not fit this model ({' '.join(str(e).split())})")
-    except ValueError as e:
-        sys.exit(f"error: --resume: {e}")
-    done, group = state["epoch"], optimizer.param_groups[0]
-    print(f"Resuming from {args.checkpoint}: epoch {done} done, starting epoch {done + 1}")
-    if group["lr"] != args.lr:  # --lr wins, as every flag of a resumed run does
-        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {group['lr']:g})")
-    group["lr"] = args.lr
-    return done + 1
+    if isinstance(state := read_checkpoint(args, model, optimizer), str):
+        sys.exit(state)
+    optimizer.param_groups[0]["lr"] = args.lr  # --lr wins, as every flag of a resumed run does
+    return state["epoch"] + 1 if state else 0
 
 
-def read_checkpoint(args):
-    """The checkpoint, or None if there is none; a bad one raises ValueError."""
+def read_checkpoint(args, model, optimizer):
+    """Load --checkpoint, if there is one, into model and optimizer: its state, None, or why not (a line)."""
     path = args.checkpoint
     if not os.path.exists(path):
+        print(f"No checkpoint at {path} yet: starting from epoch 0", flush=True)
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}): truncated or not a checkpoint") from e
+        return f"error: --resume: cannot read {path} ({type(e).__name__}): truncated or not a checkpoint"
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a checkpoint of these scripts")
+        return f"error: --resume: {path} is not a checkpoint of these scripts"
     if state["dataset"] != args.dataset:
-        raise ValueError(f"{path} was trained on {state['dataset']}, not --dataset {args.dataset}")
+        return f"error: --resume: {path} was trained on {state['dataset']}, not --dataset {args.dataset}"
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        return f"error: --resume: {path} does not fit this model ({' '.join(str(e).split())})"
+    done, lr = state["epoch"], optimizer.param_groups[0]["lr"]
+    print(f"Resuming from {path}: epoch {done} done, starting epoch {done + 1}", flush=True)
+    if lr != args.lr:
+        print(f"Learning rate {args.lr:g} from --lr (the checkpoint had {lr:g})", flush=True)
     return state
 
 
@@ -350,11 +347,10 @@ def release_freed_memory():
 
 def keep_pool_gradient_channels_last(model):
     """Hand max-pool's backward a channels-last gradient, not flatten's NCHW (two conversions)."""
-    last = torch.channels_last
 
     def on_pooled(module, inputs):  # dropout1's input: the pool's output
-        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=last):
-            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=last))
+        if inputs[0].requires_grad and inputs[0].is_contiguous(memory_format=torch.channels_last):
+            inputs[0].register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
 
     model.dropout1.register_forward_pre_hook(on_pooled)
 

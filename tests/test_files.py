@@ -113,8 +113,8 @@ import convnet_distributed_cuda as script
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 try:
-    script.save_on_rank0(sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 MB of a 3 MB disk
-    script.save_on_rank0(sys.argv[1], lambda f: f.write(b"second" * 400_000))  # cannot stand beside it
+    script.on_rank0(script.write_atomically, sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 of 3 MB
+    script.on_rank0(script.write_atomically, sys.argv[1], lambda f: f.write(b"second" * 400_000))  # no room
 except SystemExit as e:  # leave as the script does: a teardown with the group alive can abort
     script.exit_at_once(e.code)
 """
@@ -122,7 +122,7 @@ except SystemExit as e:  # leave as the script does: a teardown with the group a
 
 @needs_mount
 def test_a_full_disk_in_the_gpu_script_is_one_line(tmp_path):
-    """Its save_on_rank0 (the CPU script's, as test_model checks) on a world of one over Gloo: no GPU here."""
+    """Its on_rank0 (the CPU script's, as test_model checks) on a world of one over Gloo: no GPU here."""
     (tmp_path / "saves.py").write_text(GPU_SCRIPT_SAVES.format(repo=REPO, port=free_port()))
     ck = tmp_path / "disk" / "ck.pt"
     command = [sys.executable, tmp_path / "saves.py", ck]
