@@ -70,9 +70,12 @@ class ConvNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 16, 3, 1), nn.Conv2d(16, 32, 3, 1)
-        self.dropout1, self.dropout2 = nn.Dropout(0.10), nn.Dropout(0.25)
-        self.fc1, self.fc2 = nn.Linear(4608, 64), nn.Linear(64, 10)  # 4608: 32 channels x 12 x 12
+        self.conv1 = nn.Conv2d(1, 16, 3, 1)
+        self.conv2 = nn.Conv2d(16, 32, 3, 1)
+        self.dropout1 = nn.Dropout(0.10)
+        self.dropout2 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(4608, 64)  # 32 channels x 12 x 12 after the pool
+        self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x):
         x = F.relu(self.conv2(F.relu(self.conv1(x))))
