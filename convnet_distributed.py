@@ -1204,6 +1204,8 @@ def exit_at_once(end=0):
             signal.signal(signum, signal.SIG_IGN)
     if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
         end = end.code
+    elif isinstance(end, KeyboardInterrupt):  # a Ctrl-C before raise_on_signals: a stop all the same
+        end = 130
     elif isinstance(end, BaseException):  # a bug: its traceback, and 1
         end = "".join(traceback.format_exception(end)).rstrip()
     if end is not None and not isinstance(end, int):

@@ -404,6 +404,19 @@ def test_no_process_of_a_run_tears_its_interpreter_down(data_dir, tmp_path, proc
     assert not torn_down.exists(), f"processes torn down: {torn_down.read_text().split()}"
 
 
+@pytest.mark.parametrize(
+    "script", ["convnet_undistributed", "convnet_distributed", "convnet_distributed_cuda"]
+)
+def test_a_ctrl_c_before_the_signal_handlers_is_a_stop_not_a_bug(script):
+    """A Ctrl-C before raise_on_signals (during imports or parse_args) reached exit_at_once as a
+    KeyboardInterrupt, taken for a bug: a traceback and status 1. A stop is status 130, with no trace."""
+    code = f"import {script} as s\ns.exit_at_once(KeyboardInterrupt())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stderr) == (130, ""), result.stderr
+
+
 @pytest.mark.alone
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
