@@ -703,7 +703,8 @@ def claimed_twice(rank, first, second, args):
 
 def check_same_data(data, rank, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data]
+    once = local_rank_of(rank, args) == 0  # one machine's processes hold one copy: hash it once
+    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (args.machine_id, mine))
     names = ("training images", "training labels", "test images", "test labels")
@@ -857,8 +858,8 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
-    state = on_rank0(read_checkpoint, args, model, optimizer)
-    if state:  # rank 0's model and optimizer take it twice
+    state = on_rank0(read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
+    if state and dist.get_rank() != 0:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     optimizer.param_groups[0]["lr"] = args.lr  # --lr wins, as every flag of a resumed run does
