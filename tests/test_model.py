@@ -82,9 +82,10 @@ def shared_block(module):
 
 
 def test_the_shared_block_is_the_same_in_both_distributed_scripts():
-    cpu, gpu = (code(shared_block(m)) for m in (convnet_distributed, convnet_distributed_cuda))
-    diff = "".join(difflib.unified_diff(cpu.split("), "), gpu.split("), "), "cpu", "gpu", n=1, lineterm="\n"))
-    assert cpu == gpu, f"the shared blocks' code differs: edit both\n{diff[:3000]}"
+    """Byte for byte, comments included: tools/sync_shared_block.py copies it (CI runs its --check)."""
+    cpu, gpu = (shared_block(m) for m in (convnet_distributed, convnet_distributed_cuda))
+    diff = "".join(difflib.unified_diff(cpu.splitlines(True), gpu.splitlines(True), "cpu", "gpu", n=1))
+    assert cpu == gpu, f"the shared blocks differ: run python tools/sync_shared_block.py\n{diff[:3000]}"
     assert (
         shared_block(convnet_distributed).count("\ndef ") > 40
     )  # the launchers, rendezvous, files, signals...
