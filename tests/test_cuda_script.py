@@ -161,7 +161,6 @@ script.exit_at_once()
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("uuids", [("GPU-a", "GPU-a"), ("GPU-a", "GPU-b")])
-@pytest.mark.alone
 def test_processes_that_share_one_gpu_stop_with_one_line(tmp_path, uuids):
     """RANK and WORLD_SIZE without LOCAL_RANK (each process a machine of its own, on cuda:0), two processes on
     one host: both took the same GPU, and NCCL's "Duplicate GPU detected" came out as "lost contact with the

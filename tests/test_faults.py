@@ -147,9 +147,6 @@ def test_a_command_line_mistake_is_one_line_and_starts_nothing(script, tmp_path)
 # Faults: the whole job ends, within a bound, saying why.
 
 
-# On test_a_killed_rank_stops_the_whole_job's worker, which runs `alone`: it never waits for this one there.
-@pytest.mark.xdist_group("killed")
-@pytest.mark.alone
 def test_master_port_held_by_another_program(data_dir):
     """A program that takes connections and never answers holds the port. The launcher finds it before any
     worker starts: a worker connected to it waited in C++, deaf to SIGTERM, until killed 10 s later."""
@@ -184,7 +181,6 @@ def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
 
 
 @pytest.mark.alone  # under load, machine 1 named its other rank's "lost contact" before the killed worker
-@pytest.mark.xdist_group("killed")
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
     port = free_port()
@@ -200,7 +196,6 @@ def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
     assert [left_running(m.pid) for m in machines] == [[], []]
 
 
-@pytest.mark.alone  # timed against --timeout
 def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_dir):
     """A rank stopped, not dead (SIGSTOP: a debugger, a paused VM, a node swapping), mid-epoch: its sockets
     stay open, so no peer hears a reset, and the others wait in the Gloo exchange. --timeout ends it on every
@@ -238,7 +233,6 @@ def test_a_rank_that_hangs_alive_is_ended_by_the_timeout_on_every_machine(data_d
         ("convnet_distributed.py", 2, "launcher"),
     ],
 )
-@pytest.mark.alone
 def test_ctrl_c_stops_every_process_with_status_130_and_the_checkpoint_loads(
     data_dir, tmp_path, script, processes, target
 ):
@@ -297,7 +291,6 @@ def assert_terminated(result, ck, seconds, pgid, lines):
         ("convnet_distributed.py", 2, "group"),
     ],
 )
-@pytest.mark.alone
 def test_sigterm_stops_every_process_with_status_143_and_one_line(
     data_dir, tmp_path, script, processes, target
 ):
@@ -326,7 +319,6 @@ os.register_at_fork(after_in_{side}=lambda: os.kill(os.getpid(), signal.{name}))
 @pytest.mark.parametrize(
     "name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")]
 )
-@pytest.mark.alone
 def test_a_signal_as_the_workers_start_still_stops_the_run_cleanly(
     data_dir, tmp_path, side, name, status, line
 ):
@@ -353,7 +345,7 @@ if "spawn_main" in " ".join(sys.orig_argv):  # a spawned worker, as its interpre
 @pytest.mark.parametrize(
     "name,status,line", [("SIGTERM", 143, "Terminated (SIGTERM)"), ("SIGINT", 130, "Interrupted")]
 )
-@pytest.mark.alone
+@pytest.mark.alone  # its 30 s include two spawned workers' imports, which another test's load can double
 def test_a_signal_as_spawned_workers_start_stops_the_run_cleanly(data_dir, tmp_path, name, status, line):
     """macOS, Windows and the GPU script spawn their workers, which take a second or more to start their
     interpreter and import torch before their handlers are set: a Ctrl-C then once ended each in a "Fatal
@@ -417,7 +409,6 @@ def test_a_ctrl_c_before_the_signal_handlers_is_a_stop_not_a_bug(script):
     assert (result.returncode, result.stderr) == (130, ""), result.stderr
 
 
-@pytest.mark.alone
 def test_sigterm_to_torchrun_stops_its_workers_with_one_line(data_dir, tmp_path):
     ck = tmp_path / "ck.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -475,7 +466,6 @@ def assert_workers_stop_when_their_launcher_is_killed(data_dir, env):
     assert alive == [], f"still training after their launcher died: {alive}"
 
 
-@pytest.mark.alone
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
     """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it died at once, and its workers
     trained on as orphans. Now every process stops, and a rerun with --resume ends as an unbroken run."""

@@ -217,7 +217,6 @@ def test_a_failed_averager_set_up_leaves_nothing_in_dev_shm(tmp_path):
         ),
     ],
 )
-@pytest.mark.alone
 def test_the_interrupt_line_says_what_the_checkpoint_really_holds(
     data_dir, tmp_path, script, extra, existing, words
 ):

@@ -58,7 +58,6 @@ def test_a_bad_value_for_the_reachability_check_is_one_line(clean_env, value):
     assert len(line) < 300 and "\n" not in line
 
 
-@pytest.mark.alone
 def test_a_master_addr_that_does_not_resolve_is_one_line(data_dir):
     """A name no resolver knows: one line naming it, after a short wait (DNS records can come late), never a
     traceback, and never --timeout's minutes of 'no answer'."""

@@ -75,15 +75,8 @@ def test_every_flag_is_classified(module):
     assert not set(module.RANK0_FLAGS) & (set(module.JOB_FLAGS) | set(module.MACHINE_FLAGS))
 
 
-def flags():
-    """Each flag; where the job must stop, within WITHIN seconds, with no other test beside it (`alone`)."""
-    for action in options(convnet_distributed):
-        stops = expected(convnet_distributed, action.dest)[0] == "stops"
-        yield pytest.param(action.option_strings[0], marks=[pytest.mark.alone] if stops else [])
-
-
 @pytest.mark.timeout(TIMEOUT + 2 * WITHIN)
-@pytest.mark.parametrize("flag", flags())
+@pytest.mark.parametrize("flag", [a.option_strings[0] for a in options(convnet_distributed)])
 def test_machine_1_differs_in_one_flag(tmp_path, flag):
     """Machine 0 alone has the metrics and checkpoint flags, and writes both; machine 1 differs in flag."""
     action = next(a for a in options(convnet_distributed) if a.option_strings[0] == flag)

@@ -83,7 +83,6 @@ def test_lines_are_timed_on_arrival_and_the_exit_after_the_last_one():
     assert run.first(compare.FIRST_STEP) == step and run.exit_at - last == pytest.approx(0.6, abs=0.15)
 
 
-@pytest.mark.alone
 def test_a_run_past_its_timeout_is_killed_with_its_children():
     child = "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     code = f"import subprocess, sys, time; {child}; time.sleep(60)"
