@@ -466,7 +466,18 @@ def assert_workers_stop_when_their_launcher_is_killed(data_dir, env):
     assert alive == [], f"still training after their launcher died: {alive}"
 
 
-def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def unbroken_run(data_dir, tmp_path_factory):
+    """The metrics of an unbroken 3-epoch run, which each run stopped below must end as once resumed: one run
+    for the module, whose tests that use it stay on one pytest-xdist worker (group "unbroken")."""
+    path = tmp_path_factory.mktemp("unbroken") / "whole.json"
+    whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", path))
+    assert whole.returncode == 0, whole.stderr
+    return read_json(path)
+
+
+@pytest.mark.xdist_group("unbroken")
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path, unbroken_run):
     """SIGTERM to the launcher alone (`kill PID`, `timeout`, Kubernetes): it died at once, and its workers
     trained on as orphans. Now every process stops, and a rerun with --resume ends as an unbroken run."""
     ck = tmp_path / "ck.pt"
@@ -476,8 +487,6 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path)
             data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args
         )
 
-    whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
-    assert whole.returncode == 0, whole.stderr
     stopped = run(name="stopped.json")
     lines = wait_for_line(stopped, "epoch: 1 [2/")
     stopped.send_signal(signal.SIGTERM)
@@ -487,7 +496,7 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_result(data_dir, tmp_path)
     resumed = finish(run(name="resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "starting epoch 1" in resumed.stdout
-    a, b = read_json(tmp_path / "resumed.json"), read_json(tmp_path / "whole.json")
+    a, b = read_json(tmp_path / "resumed.json"), unbroken_run
     assert a["epochs_trained"] == 2 and b["epochs_trained"] == 3
     assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4)
     assert [h["train_loss"] for h in a["history"]] == pytest.approx(
@@ -525,7 +534,8 @@ convnet_distributed.write_atomically({str(ck)!r}, lambda f: f.write(b"x" * 10000
     ]  # it was killed mid-write, not before
 
 
-def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
+@pytest.mark.xdist_group("unbroken")
+def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path, unbroken_run):
     ck = tmp_path / "ck.pt"
 
     def run(*args, name):
@@ -533,8 +543,6 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
             data_dir, "--epochs", 3, "--checkpoint", ck, "--resume", "--metrics-json", tmp_path / name, *args
         )
 
-    whole = finish(job(data_dir, "--epochs", 3, "--metrics-json", tmp_path / "whole.json"))
-    assert whole.returncode == 0, whole.stderr
     crashed = run(name="crashed.json")
     wait_for_line(crashed, "epoch: 1 [2/")
     os.killpg(crashed.pid, signal.SIGKILL)  # the machine goes down: nobody cleans up
@@ -543,7 +551,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(data_dir, tmp_path):
     resumed = finish(run(name="resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
     assert "starting epoch 1" in resumed.stdout
-    a, b = read_json(tmp_path / "resumed.json"), read_json(tmp_path / "whole.json")
+    a, b = read_json(tmp_path / "resumed.json"), unbroken_run
     assert a["epochs_trained"] == 2 and b["epochs_trained"] == 3
     assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-4)
     assert [h["train_loss"] for h in a["history"]] == pytest.approx(
