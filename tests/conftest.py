@@ -83,6 +83,26 @@ def pytest_runtest_makereport(item, call):
         report.outcome, report.longrepr = "failed", f"skipped under CONVNET_REQUIRE_ALL=1: {reason}"
 
 
+# The quick set, to run after each edit (pytest -m quick, README.md): the command line, the model and the code
+# the scripts share, and one short training run, the README's first command. Test files, or single tests.
+QUICK = (
+    "test_cli.py",
+    "test_model.py",
+    "test_readme.py",
+    "test_training.py::test_distributed_article_commands_train[2-64]",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the quick set `quick`, and runs its files' tests last: each takes a second or less, so they keep
+    both pytest-xdist workers busy to the end, where a long test would leave one waiting for the other."""
+    for item in items:
+        path, _, name = item.nodeid.rpartition("/")[2].partition("::")
+        if path in QUICK or f"{path}::{name}" in QUICK:
+            item.add_marker(pytest.mark.quick)
+    items.sort(key=lambda item: item.nodeid.rpartition("/")[2].partition("::")[0] in QUICK)
+
+
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, tmp_path_factory):
     """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound
