@@ -94,13 +94,21 @@ QUICK = (
 
 
 def pytest_collection_modifyitems(items):
-    """Marks the quick set `quick`, and runs its files' tests last: each takes a second or less, so they keep
-    both pytest-xdist workers busy to the end, where a long test would leave one waiting for the other."""
+    """Marks the quick set `quick`, and orders the run (pytest-xdist hands the tests out in this order)."""
     for item in items:
         path, _, name = item.nodeid.rpartition("/")[2].partition("::")
         if path in QUICK or f"{path}::{name}" in QUICK:
             item.add_marker(pytest.mark.quick)
-    items.sort(key=lambda item: item.nodeid.rpartition("/")[2].partition("::")[0] in QUICK)
+    items.sort(key=run_order)
+
+
+def run_order(item):
+    """The quick files' tests last: each takes a second or less, so they keep both workers busy to the end.
+    Just before them the `alone` tests: each waits for the other worker's test to end, there an `alone` or a
+    quick one, not one of the long tests before."""
+    if item.nodeid.rpartition("/")[2].partition("::")[0] in QUICK:
+        return 2
+    return 1 if item.get_closest_marker("alone") else 0
 
 
 @pytest.fixture(autouse=True)
