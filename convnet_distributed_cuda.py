@@ -368,8 +368,8 @@ def match_gradient_strides(model):
 
 # ============================================================================================================
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
-# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet, DATASETS,
-# BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
+# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
+# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
 # averaging_words and worker.
 # ============================================================================================================
 
