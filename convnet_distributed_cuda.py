@@ -380,7 +380,8 @@ def match_gradient_strides(model):
 # The first launcher whose rank, world size and local rank are set wins (torchrun, mpirun pass SLURM's on).
 # Its variables of rank, world size, local rank, local size, machine, machines (-: none); of the launch.
 LAUNCHERS = {
-    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID"),
+    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID"),  # nodes may run different counts: GROUP_WORLD_SIZE counts them
     "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
                  "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE"),
     "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", ""),  # and Intel MPI: Hydra
