@@ -602,8 +602,14 @@ def parse_args(argv=None):
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
     ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
+    # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
+    shared = 1 if name == "SLURM" and launched and number("SLURM_CPUS_PER_TASK", 0) else here
+    # torchrun sets OMP_NUM_THREADS=1 where the user set none (run.py): its own start-up environment lacks it.
+    torchrun_omp = False  # not Linux: the user's
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        torchrun_omp = name == "torchrun" and args.launch_id and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
     # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
-    return check_args(parser, args, here, files=placement(args, 0)[0] == 0)
+    return check_args(parser, args, shared, placement(args, 0)[0] == 0, torchrun_omp)
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
@@ -1326,8 +1332,8 @@ def port_number(text):
     return value
 
 
-def check_args(parser, args, processes=1, files=True):
-    """Checks argparse cannot make; --threads: OMP_NUM_THREADS, else the usable cores per process."""
+def check_args(parser, args, processes=1, files=True, torchrun_omp=False):
+    """Checks argparse cannot make; --threads: OMP_NUM_THREADS (not torchrun's), else cores per process."""
     if files and args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
     for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
@@ -1342,6 +1348,8 @@ def check_args(parser, args, processes=1, files=True):
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
     cores, capped_by = min(caps, key=lambda cap: cap[0])  # of equals the first: named where it decided
     omp = getenv("OMP_NUM_THREADS", "")
+    if omp and torchrun_omp:  # no choice of the user's
+        omp, capped_by = "", f"{capped_by or 'the usable cores'}, not torchrun's default OMP_NUM_THREADS=1"
     args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
     try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
         args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))
