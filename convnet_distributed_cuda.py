@@ -889,7 +889,10 @@ def prepare_data(args):
             sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # another user's folder, a read-only disk
+        sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
