@@ -250,7 +250,7 @@ def worker(local_rank, args, data, listener=None):
 def save_checkpoint(model, optimizer, epoch, args):
     state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    on_rank0(write_atomically, args.checkpoint, lambda f: torch.save(state, f))
+    on_rank0(args, write_atomically, args.checkpoint, lambda f: torch.save(state, f))
 
 
 # ---- 7. Launch and command line
@@ -1007,7 +1007,7 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
-    state = on_rank0(read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
+    state = on_rank0(args, read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
     if state and dist.get_rank() != 0:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1073,12 +1073,12 @@ def read_checkpoint(args, model, optimizer):
     return state
 
 
-def on_rank0(work, *args):
-    """work(*args) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
-    sent = [work(*args) if dist.get_rank() == 0 else None]
+def on_rank0(args, work, *inputs):
+    """work(*inputs) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
+    sent = [work(*inputs) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
     if isinstance(sent[0], str):
-        sys.exit(sent[0] if dist.get_rank() == 0 else 1)
+        abort_job(None, dist.get_rank(), args, sent[0])
     return sent[0]
 
 
@@ -1295,7 +1295,7 @@ def report(args, device, history, seconds, samples, test, **averaging):
     )  # fmt: skip
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"
-        on_rank0(write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
+        on_rank0(args, write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
     print0(f"Finished training in {seconds:.2f} secs")
 
 
