@@ -250,7 +250,7 @@ def worker(local_rank, args, data, listener=None):
 def save_checkpoint(model, optimizer, epoch, args):
     state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    on_rank0(write_atomically, args.checkpoint, lambda f: torch.save(state, f))
+    on_rank0(args, write_atomically, args.checkpoint, lambda f: torch.save(state, f))
 
 
 # ---- 7. Launch and command line
@@ -520,7 +520,8 @@ def gradient_shortfall(model, world_size, failed=False):
 # The first launcher whose rank, world size and local rank are set wins (torchrun, mpirun pass SLURM's on).
 # Its variables of rank, world size, local rank, local size, machine, machines (-: none); of the launch.
 LAUNCHERS = {
-    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID"),
+    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID"),  # nodes may run different counts: GROUP_WORLD_SIZE counts them
     "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
                  "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE"),
     "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", ""),  # and Intel MPI: Hydra
@@ -601,8 +602,14 @@ def parse_args(argv=None):
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
     ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
+    # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
+    shared = 1 if name == "SLURM" and launched and number("SLURM_CPUS_PER_TASK", 0) else here
+    # torchrun sets OMP_NUM_THREADS=1 where the user set none (run.py): its own start-up environment lacks it.
+    torchrun_omp = False  # not Linux: the user's
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        torchrun_omp = name == "torchrun" and args.launch_id and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
     # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
-    return check_args(parser, args, here, files=placement(args, 0)[0] == 0)
+    return check_args(parser, args, shared, placement(args, 0)[0] == 0, torchrun_omp)
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
@@ -1000,7 +1007,7 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
-    state = on_rank0(read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
+    state = on_rank0(args, read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
     if state and dist.get_rank() != 0:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1022,7 +1029,10 @@ def prepare_data(args):
             sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # another user's folder, a read-only disk
+        sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
@@ -1063,12 +1073,12 @@ def read_checkpoint(args, model, optimizer):
     return state
 
 
-def on_rank0(work, *args):
-    """work(*args) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
-    sent = [work(*args) if dist.get_rank() == 0 else None]
+def on_rank0(args, work, *inputs):
+    """work(*inputs) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
+    sent = [work(*inputs) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
     if isinstance(sent[0], str):
-        sys.exit(sent[0] if dist.get_rank() == 0 else 1)
+        abort_job(None, dist.get_rank(), args, sent[0])
     return sent[0]
 
 
@@ -1285,7 +1295,7 @@ def report(args, device, history, seconds, samples, test, **averaging):
     )  # fmt: skip
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"
-        on_rank0(write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
+        on_rank0(args, write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
     print0(f"Finished training in {seconds:.2f} secs")
 
 
@@ -1325,8 +1335,8 @@ def port_number(text):
     return value
 
 
-def check_args(parser, args, processes=1, files=True):
-    """Checks argparse cannot make; --threads: OMP_NUM_THREADS, else the usable cores per process."""
+def check_args(parser, args, processes=1, files=True, torchrun_omp=False):
+    """Checks argparse cannot make; --threads: OMP_NUM_THREADS (not torchrun's), else cores per process."""
     if files and args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
     for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
@@ -1341,6 +1351,8 @@ def check_args(parser, args, processes=1, files=True):
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
     cores, capped_by = min(caps, key=lambda cap: cap[0])  # of equals the first: named where it decided
     omp = getenv("OMP_NUM_THREADS", "")
+    if omp and torchrun_omp:  # no choice of the user's
+        omp, capped_by = "", f"{capped_by or 'the usable cores'}, not torchrun's default OMP_NUM_THREADS=1"
     args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
     try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
         args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import convnet_distributed
 import convnet_distributed_cuda
-from conftest import N_TEST, REPO, finish, free_port, launch, read_json, script_env
+from conftest import N_TEST, REPO, finish, free_port, launch, read_json, script_env, write_dataset
 from test_faults import job, left_running
 
 SCRIPTS = [convnet_distributed, convnet_distributed_cuda]
@@ -442,3 +442,110 @@ def test_mpirun_np_2_on_one_host_trains_as_one_group(data_dir, tmp_path):
     assert m["allreduce"] == "shared-memory"  # both ranks on this machine
     assert result.stdout.count("Finished training in") == 1  # one log for the job, not one per rank
     assert left_running(proc.pid) == []
+
+
+# torchrun allows another --nproc-per-node on each node: 3 + 2, 2 + 3 and 1 + 1 + 3 processes.
+NODE_COUNTS = [(3, 2), (2, 3), (1, 1, 3)]
+
+
+def torchrun_env(counts, node, local_rank):
+    """What torchrun's agent on node sets for a worker when the nodes run counts processes."""
+    rank, world_size = sum(counts[:node]) + local_rank, sum(counts)
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(counts[node]), GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(len(counts)),
+                TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # fmt: skip
+
+
+@pytest.mark.parametrize("counts", NODE_COUNTS)
+def test_torchrun_nodes_may_run_different_process_counts(clean_env, monkeypatch, counts):
+    """The machines were the world size over the local size, rounded up: node 2 of 1 + 1 + 3 stopped with
+    "--machine-id must be in 0-1 for 2 machines", and 3 + 2 counted 3 machines on node 1. torchrun's
+    GROUP_WORLD_SIZE counts them; the roll call then counts each machine's processes."""
+    for node, n in enumerate(counts):
+        for local_rank in range(n):
+            args, processes = layout(convnet_distributed, monkeypatch, torchrun_env(counts, node, local_rank))
+            assert (args.num_machines, args.machine_id, processes) == (len(counts), node, n)
+            assert (args.rank, args.local_rank, args.world_size) == (
+                sum(counts[:node]) + local_rank, local_rank, sum(counts))  # fmt: skip
+
+
+def torchrun_command(*flags, script=("convnet_distributed.py",)):
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, flags), *script]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_nodes_of_1_1_and_3_processes_train_as_one_group(tmp_path):
+    """Three torchrun agents on this host play three nodes (static rendezvous: the node ranks are fixed), the
+    third with 3 processes: it stopped with "--machine-id must be in 0-1 for 2 machines". Now the 5 train as
+    one group, and the layout line counts each machine's processes. The test above checks every order's
+    environments; this one runs the order that failed, with tiny data."""
+    data = write_dataset(str(tmp_path / "data"), n_train=320, n_test=100)
+    port, counts = free_port(), NODE_COUNTS[2]
+    script = [os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data, "--batch-size", 16,
+              "--log-interval", 1000, "--timeout", 120]  # fmt: skip
+    procs = []
+    for node, n in enumerate(counts):
+        flags = ["--nnodes", 3, "--node-rank", node, "--nproc-per-node", n, "--master-addr", "127.0.0.1"]
+        metrics = ["--metrics-json", tmp_path / f"m{node}.json"]
+        command = torchrun_command(*flags, "--master-port", port, script=[*map(str, script + metrics)])
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=script_env(), start_new_session=True))  # fmt: skip
+    results = [finish(p, 200) for p in procs]
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
+    assert read_json(tmp_path / "m0.json")["world_size"] == 5
+    assert not (tmp_path / "m1.json").exists() and not (tmp_path / "m2.json").exists()
+    assert "World size 5 = 3 machines (1 + 1 + 3 processes);" in results[0].stdout, results[0].stdout
+    assert all(left_running(p.pid) == [] for p in procs)
+
+
+def test_srun_cpus_per_task_are_each_tasks_own(clean_env, monkeypatch):
+    """srun --ntasks-per-node 4 --cpus-per-task 8: SLURM_CPUS_PER_TASK is per task, but it was divided by the
+    tasks again: 2 threads a rank on its 8 cores, "from SLURM_CPUS_PER_TASK". A task's CPUs are its own,
+    whether SLURM pins it to them (a mask of 8 cores) or not (the node's 32); the processes the script starts
+    inside one task share it."""
+    env = dict(SRUN_2X2, SLURM_PROCID="5", SLURM_STEP_NUM_TASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)",
+               SLURM_CPUS_PER_TASK="8")  # fmt: skip
+    args, processes = layout(convnet_distributed, monkeypatch, env)  # pinned: 8 cores
+    assert (args.rank, processes, args.threads, args.threads_from) == (5, 4, 8, "")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))  # not pinned
+    args = convnet_distributed.parse_args([])
+    assert (args.threads, args.threads_from) == (8, "SLURM_CPUS_PER_TASK")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")  # one task a node, 4 processes of the script's
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    args = convnet_distributed.parse_args(["--num-processes", "4"])
+    assert (args.rank, args.threads, args.threads_from) == (None, 2, "SLURM_CPUS_PER_TASK")
+
+
+# torchrun's worker, the script run as __main__ on a machine that seems to have 16 cores.
+ON_16_CORES = """
+import os, runpy, sys
+os.sched_getaffinity = lambda pid: set(range(16))
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("user_omp", [None, "1"])
+def test_torchrun_default_of_one_thread_is_not_taken_for_the_users(tmp_path, user_omp):
+    """torchrun --nproc-per-node 2 sets OMP_NUM_THREADS=1 where the user set none: on 16 cores each process
+    ran 1 thread, 8 times fewer than the cores allow, and nothing said so. torchrun's own start-up
+    environment tells who set it: torchrun, 8 threads each and the layout line says why; the user, 1."""
+    (tmp_path / "on_16_cores.py").write_text(ON_16_CORES)
+    data = write_dataset(str(tmp_path / "data"), n_train=256, n_test=100)
+    script = [tmp_path / "on_16_cores.py", os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data,
+              "--batch-size", 16, "--log-interval", 1000, "--metrics-json", tmp_path / "m.json"]  # fmt: skip
+    command = torchrun_command("--standalone", "--nproc-per-node", 2, script=map(str, script))
+    env = script_env(**({"OMP_NUM_THREADS": user_omp} if user_omp else {}))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    result = finish(proc, 200)
+    assert result.returncode == 0, result.stderr
+    layout_line = next(line for line in result.stdout.splitlines() if line.startswith("World size"))
+    if user_omp:
+        assert "; 1 thread per process; " in layout_line, layout_line
+    else:
+        why = "; 8 threads per process, from the usable cores, not torchrun's default OMP_NUM_THREADS=1; "
+        assert why in layout_line, layout_line
+    assert read_json(tmp_path / "m.json")["threads"] == (1 if user_omp else 8)
