@@ -212,8 +212,10 @@ def test_a_waiting_machine_says_what_it_waits_for_every_30_s(data_dir):
     )
     for lines, wait in zip(said, waits):
         assert len(lines) == 2 and all(re.fullmatch(wait, x) for _, x in lines), lines  # at 5 s and 35 s
-        assert int(re.fullmatch(wait, lines[0][1])[1]) >= timeout - 6, lines  # said 5 s into the wait
-        assert lines[0][0] < 10 and lines[1][0] - lines[0][0] > 20, lines
+        # Said 5 s into the wait (after importing torch: 3 s on a quiet host, 10 s on a loaded one), then
+        # 30 s on.
+        left, gap = int(re.fullmatch(wait, lines[0][1])[1]), lines[1][0] - lines[0][0]
+        assert left >= timeout - 6 and gap > 20, lines
 
 
 @pytest.mark.alone  # under load, machine 1 named its other rank's "lost contact" before the killed worker
