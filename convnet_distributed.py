@@ -614,32 +614,32 @@ def parse_args(argv=None):
 
 
 def rendezvous(rank, is_master, args, listener, connect):
-    """connect(**options)'s store, rank 0 serving it on claim_port's socket: made in a thread, since a client
-    waits in C++, deaf to signals, on a machine 0 stopped as it serves; waited for here, in Python."""
+    """The store connect(**options) makes, rank 0 serving on claim_port's socket; waited for in Python."""
     resolve(args, rank, connect=not is_master)
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0's: here
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
+    where = f"{args.master_addr}:{args.master_port}"
+    line, made = f"error: rank {rank}: machine 0 at {where}", []
 
-    def make():
+    def make():  # in a thread: a client of a machine 0 stopped as it serves waits in C++, deaf to signals
         try:
             made.append(connect(**options))
         except (dist.DistError, OSError) as e:
             made.append(f"{line} went away ({last_line(e)}): see its output")
 
     threading.Thread(target=make, daemon=True).start()
-    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {where}"):
         if made:
             return sys.exit(made[0]) if isinstance(made[0], str) else made[0]
     sys.exit(f"{line} did not answer within --timeout {args.timeout:g} s: it is stopped or hangs")
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket on the rendezvous port (or a free one), held against other launches, and the port.
-    Bound alone, it refuses machine 1, which waits in Python (hearing signals), till rank 0 is to serve."""
+    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, so held against other
+    launches, yet refusing connections (machine 1 waits in Python) till rank 0 is to serve."""
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
@@ -664,8 +664,7 @@ def claim_port(args, listener=None, serve=False):
 
 
 def listening(port, host="", listen=True):
-    """A socket on host, or on every address (IPv6 and IPv4 where it can, as TCPStore); bound alone if not
-    listen: connections are refused, not left unanswered."""
+    """A socket on host, or every address (IPv6 and IPv4 where it can, as TCPStore); listening if listen."""
     dual = not host and socket.has_dualstack_ipv6()
     sock = socket.socket(socket.AF_INET6 if dual or ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, os.name == "posix")  # as socket.create_server
@@ -715,8 +714,8 @@ def resolve(args, rank, connect):
 
 
 def waiting(rank, args, what, seconds=None):
-    """Yields every 0.1 s for seconds (--timeout), hearing signals; from 5 s on, local rank 0 says what() it
-    waits for every 30 s."""
+    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() at 5 s, then
+    every 30 s."""
     start, say, t = time.monotonic(), 5, args.timeout
     while (waited := time.monotonic() - start) < (seconds or t):
         if waited >= say and local_rank_of(rank, args) == 0:

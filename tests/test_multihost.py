@@ -896,21 +896,30 @@ def wait_for_text(machine, text, within):
 
 
 @pytest.mark.timeout(2 * MPI_SECONDS + 60)
-@pytest.mark.parametrize("differs", [["--lr", "0.4"], ["--checkpoint", "b.pt"]])
-def test_two_mpirun_jobs_across_the_same_hosts_never_stop_each_other(network, data_dir, tmp_path, differs):
+@pytest.mark.parametrize(
+    "differs, b_first",
+    [
+        (["--lr", "0.4"], "if [ $(hostname) = node0 ]; then sleep 600; fi"),  # B's node1 ranks come alone
+        (["--checkpoint", "b.pt"], None),  # B's rank 0 finds A holding the port
+    ],
+)
+def test_two_mpirun_jobs_across_the_same_hosts_never_stop_each_other(
+    network, data_dir, tmp_path, differs, b_first
+):
     """Nothing sets a port under MPI: two mpirun jobs across the same hosts both take 8892, and the launch id
-    was compared on machine 0 alone. Job B's ranks on node1 reached job A's store as A formed, and stopped A:
-    "the machines disagree on --lr", or, where only --checkpoint differed, "rank 0 joined twice" from B's rank
-    0, whose port A held. Now a process of another launch (PMIx's namespace) stops alone, naming its own
-    cause, and A trains. A's ranks on node1 start late, so that A still waits for them when B comes."""
-    env = mpirun_env(network, tmp_path)
+    was compared on machine 0 alone. Job B's ranks on node1 reached job A's store as A formed, and stopped A
+    ("the machines disagree on --lr"); where only --checkpoint differed, B's rank 0, whose port A held, did
+    ("rank 0 joined twice"). Now a process of another launch (PMIx's namespace) stops alone, naming its own
+    cause, and A trains. A's ranks on node1 start once B has ended: A still forms while B comes."""
+    env, go = mpirun_env(network, tmp_path), tmp_path / "go"
     a_args = [*common_args(data_dir), "--metrics-json", tmp_path / "a.json"]
-    a = mpirun_job(
-        network, tmp_path, env, "jobA", *a_args, sh="if [ $(hostname) = node1 ]; then sleep 25; fi"
-    )
+    a_first = f"if [ $(hostname) = node1 ]; then while [ ! -e {go} ]; do sleep 0.2; done; fi"
+    a = mpirun_job(network, tmp_path, env, "jobA", *a_args, sh=a_first)
     wait_for_text(a, "2 of 4 processes have joined; waiting for ranks 2, 3", MPI_SECONDS)
-    b = mpirun_job(network, tmp_path, env, "jobB", *common_args(data_dir), *differs)
-    job_a, job_b = finish_all([a, b], MPI_SECONDS)
+    b = mpirun_job(network, tmp_path, env, "jobB", *common_args(data_dir), *differs, sh=b_first)
+    (job_b,) = finish_all([b], MPI_SECONDS)
+    go.touch()
+    (job_a,) = finish_all([a], MPI_SECONDS)
     assert job_a.returncode == 0 and "error" not in job_a.stderr, describe([job_a, job_b])
     check_metrics(tmp_path / "a.json", 4)
     said = [line for line in job_b.stderr.splitlines() if line.startswith("error")]
@@ -921,6 +930,7 @@ def test_two_mpirun_jobs_across_the_same_hosts_never_stop_each_other(network, da
         "error: node0:8892 is another job's rendezvous",
     )
     assert all(line.startswith(own) for line in said), describe([job_b])
+    assert any(line.startswith(own[1 if b_first else 0]) for line in said), describe([job_b])
     assert not (tmp_path / "b.pt").exists()
     assert_namespaces_empty(network)
 
