@@ -191,7 +191,7 @@ def join_group(rank, world_size, args, listener=None):
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
 
-    def connect(**options):  # rendezvous() runs it in a thread: its wait for machine 0 hears signals
+    def connect(**options):  # in rendezvous()'s thread: waiting for machine 0 hears signals
         return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
 
     store = rendezvous(rank, is_master, args, listener, connect)
@@ -482,7 +482,7 @@ def rendezvous(rank, is_master, args, listener, connect):
     where = f"{args.master_addr}:{args.master_port}"
     line, made = f"error: rank {rank}: machine 0 at {where}", []
 
-    def make():  # in a thread: a client of a machine 0 stopped as it serves waits in C++, deaf to signals
+    def make():  # in a thread: a client of a machine 0 stopped as it serves waits in C++, deaf
         try:
             made.append(connect(**options))
         except (dist.DistError, OSError) as e:
@@ -496,8 +496,8 @@ def rendezvous(rank, is_master, args, listener, connect):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, so held against other
-    launches, yet refusing connections (machine 1 waits in Python) till rank 0 is to serve."""
+    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, held against other
+    launches, refusing connections (machine 1 waits in Python) till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
@@ -572,8 +572,8 @@ def resolve(args, rank, connect):
 
 
 def waiting(rank, args, what, seconds=None):
-    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() at 5 s, then
-    every 30 s."""
+    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() it waits for
+    at 5 s, then every 30 s."""
     start, say, t = time.monotonic(), 5, args.timeout
     while (waited := time.monotonic() - start) < (seconds or t):
         if waited >= say and local_rank_of(rank, args) == 0:
@@ -584,7 +584,7 @@ def waiting(rank, args, what, seconds=None):
 
 
 def wait_for_key(store, rank, args, key, who):
-    """store.get(key), in a wait that hears signals; past --timeout, who stopped after joining."""
+    """store.get(key), waited for hearing signals; past --timeout, who stopped after joining."""
     for _ in waiting(rank, args, lambda: f"Waiting for {who}"):
         if store.check([key]):
             return store.get(key)
@@ -622,6 +622,7 @@ def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
+    other = f"error: {where} is another job's rendezvous"
 
     def stop(line):  # every process, until the job is ready; then this one alone
         abort_job(None if store.check(["ready"]) else store, rank, args, line)
@@ -634,9 +635,9 @@ def roll_call(store, rank, world_size, args):
             stop(f"error: {line}: copy one script to every machine")
         stop(bad_value(rank, "a record", raw, args))
 
-    def waiting_for():  # rank 0 names who: machines where the layout tells them (by hand), else ranks
+    def waiting_for():  # rank 0 names the missing: machines where the layout tells (by hand), else ranks
         if rank != 0:
-            return f"Waiting for all {world_size} processes to join machine 0 at {where}"
+            return f"Waiting for all {world_size} processes to join at {where}"
         gone = [r for r, key in enumerate(keys) if not store.check([key])]
         who = [*dict.fromkeys(r // placement(args, 0)[2] if args.rank is None else r for r in gone)]
         kind = ("machine" if args.rank is None else "rank") + "s" * (len(who) > 1)
@@ -645,20 +646,19 @@ def roll_call(store, rank, world_size, args):
 
     try:
         job = me if rank == 0 else read(wait_for_key(store, rank, args, "job", "rank 0"))
+        # Another launch's process stops alone (by hand, each machine is a launch).
+        if job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0):
+            abort_job(None, rank, args, f"{other}: choose another --master-port")
         facts = job["job"], me["job"]
-        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
-        theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-        if "model" in differ:  # its first parameter that differs
-            pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
-            theirs, ours = next(p for p in pairs if p[0] != p[1])
-        this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: known at "ready"
-        sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
-        # A job is started one way, as one launch (by hand, each machine's own): else this is another job.
-        another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
-        if job["launcher"] != args.launcher or another:
-            line = f"{where} is another job's rendezvous" + f" ({sides})" * bool(differ)
-            abort_job(None, rank, args, f"error: {line}: choose another --master-port")
-        if differ:
+        if differ := [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]:
+            theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+            if "model" in differ:  # its first parameter that differs
+                pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+                theirs, ours = next(p for p in pairs if p[0] != p[1])
+            this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
+            sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
+            if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
+                abort_job(None, rank, args, f"{other} ({sides}): choose another --master-port")
             flags = ", ".join(map(flag_words, differ))
             fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
             stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
