@@ -479,8 +479,7 @@ def rendezvous(rank, is_master, args, listener, connect):
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    where = f"{args.master_addr}:{args.master_port}"
-    line, made = f"error: rank {rank}: machine 0 at {where}", []
+    line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
 
     def make():  # in a thread: a client of a machine 0 stopped as it serves waits in C++, deaf
         try:
@@ -489,7 +488,7 @@ def rendezvous(rank, is_master, args, listener, connect):
             made.append(f"{line} went away ({last_line(e)}): see its output")
 
     threading.Thread(target=make, daemon=True).start()
-    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {where}"):
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
         if made:
             return sys.exit(made[0]) if isinstance(made[0], str) else made[0]
     sys.exit(f"{line} did not answer within --timeout {args.timeout:g} s: it is stopped or hangs")
