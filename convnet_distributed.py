@@ -763,7 +763,6 @@ def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
-    other = f"error: {where} is another job's rendezvous"
 
     def stop(line):  # every process, until the job is ready; then this one alone
         abort_job(None if store.check(["ready"]) else store, rank, args, line)
@@ -787,19 +786,20 @@ def roll_call(store, rank, world_size, args):
 
     try:
         job = me if rank == 0 else read(wait_for_key(store, rank, args, "job", "rank 0"))
-        # Another launch's process stops alone (by hand, each machine is a launch).
-        if job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0):
-            abort_job(None, rank, args, f"{other}: choose another --master-port")
         facts = job["job"], me["job"]
-        if differ := [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]:
-            theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-            if "model" in differ:  # its first parameter that differs
-                pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
-                theirs, ours = next(p for p in pairs if p[0] != p[1])
-            this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
-            sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
-            if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-                abort_job(None, rank, args, f"{other} ({sides}): choose another --master-port")
+        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+        theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+        if "model" in differ:  # its first parameter that differs
+            pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+            theirs, ours = next(p for p in pairs if p[0] != p[1])
+        this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
+        sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
+        # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
+        another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
+        if job["launcher"] != args.launcher or another:
+            line = f"{where} is another job's rendezvous" + f" ({sides})" * bool(differ)
+            abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+        if differ:
             flags = ", ".join(map(flag_words, differ))
             fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
             stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
