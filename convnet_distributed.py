@@ -623,7 +623,7 @@ def rendezvous(rank, is_master, args, listener, connect):
         listener.close()
     line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
 
-    def make():  # in a thread: a client of a machine 0 stopped as it serves waits in C++, deaf
+    def make():  # in a thread: a client of a stopped machine 0 waits in C++, deaf to signals
         try:
             made.append(connect(**options))
         except (dist.DistError, OSError) as e:
