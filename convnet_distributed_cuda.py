@@ -190,8 +190,11 @@ def join_group(rank, world_size, args, listener=None):
     # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-    with rendezvous(rank, is_master, args, listener) as options:  # waits for machine 0
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+
+    def connect(**options):  # in rendezvous()'s thread: waiting for machine 0 hears signals
+        return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+
+    store = rendezvous(rank, is_master, args, listener, connect)
     if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
@@ -475,48 +478,66 @@ def parse_args(argv=None):
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
 
 
-@contextlib.contextmanager
-def rendezvous(rank, is_master, args, listener):
-    """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
+def rendezvous(rank, is_master, args, listener, connect):
+    """The store connect(**options) makes, rank 0 serving on claim_port's socket; waited for in Python."""
     resolve(args, rank, connect=not is_master)
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
-    if is_master and (listener := listener or claim_port(args)[0]):  # a launcher's rank 0 claims it here
+    if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0's: here
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    try:
-        yield options
-    except (dist.DistError, OSError) as e:
-        where = f"{args.master_addr}:{args.master_port}"
-        sys.exit(f"error: rank {rank}: rendezvous at {where} failed ({last_line(e)}): check --master-port")
+    line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
+
+    def make():  # in a thread: a client of a stopped machine 0 waits in C++, deaf to signals
+        try:
+            made.append(connect(**options))
+        except (dist.DistError, OSError) as e:
+            made.append(f"{line} went away ({last_line(e)}): see its output")
+
+    threading.Thread(target=make, daemon=True).start()
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
+        if made:
+            return sys.exit(made[0]) if isinstance(made[0], str) else made[0]
+    sys.exit(f"{line} did not answer within --timeout {args.timeout:g} s: it is stopped or hangs")
 
 
-def claim_port(args):
-    """Machine 0's socket on the rendezvous port (or a free one), held against other launches; the port."""
+def claim_port(args, listener=None, serve=False):
+    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, held against other
+    launches, refusing connections (machine 1 waits in Python) till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
     # The store is unauthenticated: a one-machine job serves it on loopback (IPv4: ::1 may be off).
     one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
-        listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
+        host = min(hosts, key=lambda h: ":" in h) if one_host else ""
+        listener = listener or listening(args.master_port, host, listen=False)
+        if serve:  # bound by another launch too (SO_REUSEADDR): the first to listen holds it
+            listener.listen()
     except OSError as e:
-        if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops
+        if args.launcher is None and args.num_machines > 1:  # a copied --machine-id 0 while the job forms
             machine0_twice(args)
-        where = f"{args.master_addr}:{args.master_port} ({os.strerror(e.errno)})"
-        fix = "choose a free --master-port" + (", or none for a free one" if args.num_machines == 1 else "")
-        sys.exit(f"error: cannot serve the rendezvous on {where}: another program holds the port: {fix}")
+        why = "only root may serve it" if isinstance(e, PermissionError) else "another program holds the port"
+        free = ", or none for a free one" * (args.launcher is None and args.num_machines == 1)  # else 8892
+        where = f"{args.master_addr}:{args.master_port} ({e.strerror})"
+        sys.exit(f"error: cannot serve the rendezvous on {where}: {why}: choose a free --master-port{free}")
     if os.name != "posix":  # Windows: TCPStore binds for itself
         with listener:
             return None, listener.getsockname()[1]
     return listener, listener.getsockname()[1]
 
 
-def listening(port, host=""):
-    """Listens on host, or on every address (IPv6 and IPv4 where it can, as TCPStore)."""
+def listening(port, host="", listen=True):
+    """A socket on host, or every address (IPv6 and IPv4 where it can, as TCPStore); listening if listen."""
     dual = not host and socket.has_dualstack_ipv6()
-    family = socket.AF_INET6 if dual or ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, dualstack_ipv6=dual)
+    sock = socket.socket(socket.AF_INET6 if dual or ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, os.name == "posix")  # as socket.create_server
+    if dual:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind((host, port))
+    if listen:
+        sock.listen()
+    return sock
 
 
 def machine0_twice(args):
@@ -540,8 +561,8 @@ def machine0_twice(args):
 
 def resolve(args, rank, connect):
     """--master-addr's addresses; with connect, the ends of a connection to machine 0 once it listens."""
-    addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
-    while True:  # not TCPStore's wait: deaf to signals
+    addr, port = args.master_addr, args.master_port
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {addr}:{port}"):  # TCPStore's is deaf
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
             if connect:  # this end's address, and machine 0's as this machine reaches it
@@ -553,9 +574,28 @@ def resolve(args, rank, connect):
         except OSError as e:
             why = f"no answer from machine 0 at {addr}:{port} within --timeout {args.timeout:g} s"
             why += f" ({e.strerror or e}): start it, or check --master-addr, --master-port and the firewall"
-        if time.monotonic() > deadline:
-            sys.exit(f"error: rank {rank}: {why}")
-        time.sleep(0.5)
+    sys.exit(f"error: rank {rank}: {why}")
+
+
+def waiting(rank, args, what, seconds=None):
+    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() it waits for
+    at 5 s, then every 30 s."""
+    start, say, t = time.monotonic(), 5, args.timeout
+    while (waited := time.monotonic() - start) < (seconds or t):
+        if waited >= say and local_rank_of(rank, args) == 0:
+            print(f"{what()} ({max(0, t - waited):.0f} s left of --timeout {t:g} s)", flush=True)
+            say = waited + 30
+        yield
+        time.sleep(0.1)
+
+
+def wait_for_key(store, rank, args, key, who):
+    """store.get(key), waited for hearing signals; past --timeout, who stopped after joining."""
+    for _ in waiting(rank, args, lambda: f"Waiting for {who}"):
+        if store.check([key]):
+            return store.get(key)
+    line = f"{who} sent nothing within --timeout {args.timeout:g} s: it stopped after joining"
+    abort_job(store, rank, args, f"error: rank {rank}: {line} (see its output)")
 
 
 def is_loopback(address):
@@ -586,7 +626,7 @@ def job_record(args, **decided):
 
 def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
-    deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
+    me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
 
     def stop(line):  # every process, until the job is ready; then this one alone
@@ -600,22 +640,31 @@ def roll_call(store, rank, world_size, args):
             stop(f"error: {line}: copy one script to every machine")
         stop(bad_value(rank, "a record", raw, args))
 
+    def waiting_for():  # rank 0 names the missing: machines where the layout tells (by hand), else ranks
+        if rank != 0:
+            return f"Waiting for all {world_size} processes to join at {where}"
+        gone = [r for r, key in enumerate(keys) if not store.check([key])]
+        who = [*dict.fromkeys(r // placement(args, 0)[2] if args.rank is None else r for r in gone)]
+        kind = ("machine" if args.rank is None else "rank") + "s" * (len(who) > 1)
+        who = ", ".join(map(str, who[:8])) + ", ..." * (len(who) > 8)
+        return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {who}"
+
     try:
-        job = me if rank == 0 else read(store.get("job"))
-        if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
-            time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
-            sys.exit(1)
+        job = me if rank == 0 else read(wait_for_key(store, rank, args, "job", "rank 0"))
         facts = job["job"], me["job"]
-        if differ := [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]:
-            theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-            if "model" in differ:  # its first parameter that differs
-                pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
-                theirs, ours = next(p for p in pairs if p[0] != p[1])
-            sides = (f"machine 0 ({job['host']}) has {theirs}; "
-                     f"machine {me['machine']} ({me['host']}) has {ours}")  # fmt: skip
-            if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-                line = f"{args.master_addr}:{args.master_port} is another job's rendezvous ({sides})"
-                abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+        theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+        if "model" in differ:  # its first parameter that differs
+            pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+            theirs, ours = next(p for p in pairs if p[0] != p[1])
+        this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
+        sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
+        # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
+        another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
+        if job["launcher"] != args.launcher or another:
+            line = f"{where} is another job's rendezvous" + f" ({sides})" * bool(differ)
+            abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+        if differ:
             flags = ", ".join(map(flag_words, differ))
             fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
             stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
@@ -623,18 +672,20 @@ def roll_call(store, rank, world_size, args):
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
                 stop(claimed_twice(rank, read(held), me, args))
-        while not store.check(["ready"]):
+        for _ in waiting(rank, args, waiting_for, None if rank == 0 else float("inf")):
+            if store.check(["ready"]):
+                break
             if store.check(["abort"]):
                 abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
             if rank == 0 and store.check(keys):
-                records = [read(store.get(key)) for key in keys]
-                store.set("ready", json.dumps(count_machines(records, args)))
-            elif rank == 0 and time.monotonic() > deadline:
-                joined, n = sum(store.check([k]) for k in keys), args.num_machines
-                fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
-                line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
-                abort_job(store, rank, args, f"error: {line}: {fix}")
-            time.sleep(0.1)
+                store.set("ready", json.dumps(count_machines([read(store.get(key)) for key in keys], args)))
+        else:  # rank 0 alone: the others wait for its word
+            n, by, joined = args.num_machines, args.launcher, sum(store.check([k]) for k in keys)
+            fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
+            fix = fix if n > 1 else "this machine started them too slowly: raise --timeout"
+            fix = f"the launcher ({by}) started them all: see its output for the others" if by else fix
+            line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
+            abort_job(store, rank, args, f"error: {line}: {fix}")
         machine_of = from_json(ready := store.get("ready"))
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
@@ -670,7 +721,7 @@ def is_record(found):
 
 def from_json(raw):
     with contextlib.suppress(ValueError, RecursionError):
-        return json.loads(raw) if len(raw) < 1 << 16 else None
+        return json.loads(raw) if len(raw) < 1 << 24 else None  # "ready" of a million ranks: 9 MB
 
 
 def bad_value(rank, key, raw, args):
@@ -1037,7 +1088,7 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
 @contextlib.contextmanager
 def exit_on_signal(args):
     """Ctrl-C or SIGTERM runs every clean-up, then exits 130 or 143 with one line a machine."""
-    path = args.checkpoint if args.machine_id == 0 else None  # machine 0's line says what it holds
+    path = args.checkpoint if placement(args, 0)[0] == 0 else None  # rank 0's machine says what it holds
     before = file_version(path)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:

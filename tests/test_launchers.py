@@ -246,6 +246,93 @@ def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch
     assert convnet_distributed.count_machines(records, args) == [0, 0, 1, 1]
 
 
+# Open MPI's rank 1 of 4 on node1 under `mpirun -H node0:2,node1:2 --map-by node`: its guessed machine,
+# rank // local size, is 0.
+MAP_BY_NODE = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
+                   OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="node0", PMIX_NAMESPACE="4242")  # fmt: skip
+
+
+def test_under_mpi_only_rank_0s_machine_names_the_checkpoint_on_a_stop(
+    clean_env, monkeypatch, capsys, tmp_path
+):
+    """Under mpirun --map-by node, host node1 (rank 1, local rank 0) took itself for machine 0, and its stop
+    line said nothing was saved to a checkpoint that rank 0 alone writes, on node0."""
+    monkeypatch.setattr(convnet_distributed, "raise_on_signals", lambda ctrl_c: None)
+    for rank, said in (
+        ("1", ""),
+        ("0", f"; no epoch completed, so nothing was saved to {tmp_path / 'ck.pt'}"),
+    ):
+        env = dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK=rank)
+        args, _ = layout(convnet_distributed, monkeypatch, env, ["--checkpoint", str(tmp_path / "ck.pt")])
+        with pytest.raises(SystemExit), convnet_distributed.exit_on_signal(args):
+            raise SystemExit(143)
+        assert (
+            capsys.readouterr().err == f"Terminated (SIGTERM): every process of this launch stopped{said}\n"
+        )
+
+
+def test_a_port_taken_is_named_by_its_cause_and_no_port_is_offered_only_where_it_means_a_free_one(
+    clean_env, monkeypatch
+):
+    """'another program holds the port' was said for every error, and 'or none for a free one' offered under
+    launchers too, where no port means 8892 or SLURM's. By hand on one machine, none: a free one."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        lines = []
+        for env in (
+            {},
+            dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", MASTER_ADDR=""),
+        ):
+            with monkeypatch.context() as patch:
+                args, _ = layout(convnet_distributed, patch, env, ["--master-port", str(port)])
+                with pytest.raises(SystemExit) as exit:
+                    convnet_distributed.claim_port(args)
+                lines.append(exit.value.code)
+    held = (
+        f"error: cannot serve the rendezvous on 127.0.0.1:{port} (Address already in use): another program "
+    )
+    assert lines == [
+        f"{held}holds the port: choose a free --master-port, or none for a free one",
+        f"{held}holds the port: choose a free --master-port",  # Open MPI: no port would be 8892
+    ]
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv (util-linux) to take the capability to serve port 80 away")
+    script = os.path.join(REPO, "convnet_distributed.py")
+    result = subprocess.run(  # a user who may not serve a port below 1024: root without that capability
+        ["setpriv", "--bounding-set", "-net_bind_service", sys.executable, script, "--master-port", "80",
+         "--check"], capture_output=True, text=True, timeout=60, env=script_env(),
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (1, (
+        "error: cannot serve the rendezvous on 127.0.0.1:80 (Permission denied): only root may serve it: "
+        "choose a free --master-port, or none for a free one\n"
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, argv, fix",
+    [
+        ({}, ["--num-machines", "2"], "start every machine (--num-machines 2) with one --master-addr and "),
+        ({}, ["--num-processes", "2"], "this machine started them too slowly: raise --timeout"),
+        (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"), [],
+         "the launcher (torchrun) started them all: see its output for the others"),
+        (dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0"), [],
+         "the launcher (Open MPI) started them all: see its output for the others"),
+    ],
+)  # fmt: skip
+def test_the_roll_calls_timeout_says_what_to_do_for_each_way_of_starting(
+    clean_env, monkeypatch, env, argv, fix
+):
+    """It told torchrun and mpirun users, and one-machine jobs, to "start every machine"."""
+    args, _ = layout(convnet_distributed, monkeypatch, env, ["--timeout", "1", *argv])
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.roll_call(store, 0, args.world_size, args)
+    line = f"error: only 1 of {args.world_size} processes joined within --timeout 1 s: {fix}"
+    assert exit.value.code.startswith(line), exit.value.code
+
+
 def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
     env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RESTART_COUNT="1")
     args, _ = layout(convnet_distributed, monkeypatch, env)
@@ -389,7 +476,8 @@ def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
     while (
         time.monotonic() < deadline and a0.poll() is None
     ):  # until A's rank 0 has claimed the job in its store
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(OSError, RuntimeError):  # refused until the store listens
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WITHIN))
             if store.check(["job"]):
                 break
