@@ -232,7 +232,7 @@ def worker(local_rank, args, data, listener=None):
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, job)  # else a machine with other files trains on them
+        check_same_data(data, rank, device, job)  # else a machine with other files trains on them
         torch.manual_seed(job.seed)  # the baseline script's initial weights
         model = ConvNet().to(device, memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
@@ -843,15 +843,17 @@ def claimed_twice(rank, first, second, args):
     return f"error: rank {rank} joined twice, from {twice}: {fix}"
 
 
-def check_same_data(data, rank, args):
+def check_same_data(data, rank, device, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
     once = local_rank_of(rank, args) == 0  # one machine's processes hold one copy: hash it once
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (args.machine_id, mine))
-    names = ("training images", "training labels", "test images", "test labels")
-    for machine, theirs in everyone:
-        if differ := ", ".join(n for n, a, b in zip(names, everyone[0][1], theirs) if a != b):
+    rows = torch.zeros(dist.get_world_size(), 5, dtype=torch.long, device=device)  # a rank's machine, digests
+    if once:  # the others' rows stay 0; 7 bytes of a SHA-256 tell copies apart
+        digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
+        rows[rank] = torch.tensor([args.machine_id, *digests])
+    dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
+    rows, names = rows.tolist(), ("training images", "training labels", "test images", "test labels")
+    for machine, *theirs in rows:
+        if differ := ", ".join(n for n, a, b in zip(names, rows[0][1:], theirs) if b and a != b):
             line = f"error: machine {machine}'s {args.dataset} {differ} differ from machine 0's"
             abort_job(None, rank, args, f"{line}: copy machine 0's files to every --data-dir")
 
@@ -1270,8 +1272,10 @@ def layout_line(world_size, args, allreduce):
 
 def report(args, device, history, seconds, samples, test, **averaging):
     """The last lines and --metrics-json; a collective (every rank's peak memory)."""
-    world_size, peaks = dist.get_world_size(), [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_mib())
+    world_size = dist.get_world_size()
+    peaks = torch.zeros(world_size, dtype=torch.float64, device=device)
+    peaks[dist.get_rank()] = peak_memory_mib() or 0  # 0: none measured (Windows)
+    dist.all_reduce(peaks)  # a tensor, not objects: no rank unpickles what another sends
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
@@ -1281,7 +1285,8 @@ def report(args, device, history, seconds, samples, test, **averaging):
         global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
         **averaging, train_seconds=seconds, total_seconds=total, samples_per_second=speed,
         final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
-        test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
+        test_accuracy=test[1], test_samples=test[2],
+        peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history,
     )  # fmt: skip
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"

@@ -2,6 +2,7 @@
 machines whose data or script differ, and a stranger who writes into the rendezvous store. Each job that can
 train trains; each launch that cannot stops within seconds with one line, and nothing is left running."""
 
+import ast
 import datetime
 import json
 import os
@@ -327,3 +328,68 @@ def test_the_abort_watcher_sees_an_abort_while_the_set_up_waits_in_the_store(tmp
                             capture_output=True, text=True, timeout=90, env=script_env())  # fmt: skip
     assert result.returncode == 1 and result.stderr == "error: rank 0: the line of the process that failed\n"
     assert time.monotonic() - start < 20  # the get would wait --timeout, 60 s
+
+
+CHANGED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import convnet_distributed as script
+{change}
+try:
+    script.main(sys.argv[2:])
+except BaseException as e:
+    script.exit_at_once(e)
+script.exit_at_once()
+"""
+
+
+def changed_job(tmp_path, change, *args):
+    """A launch of the script as the change (Python, run after the script is imported) makes it."""
+    program = tmp_path / "changed.py"
+    program.write_text(CHANGED.format(change=change))
+    return launch(program, REPO, *args)
+
+
+STRANGER = """
+class Payload:  # unpickled, it writes a file
+    def __reduce__(self):
+        return open, ({marker!r}, "w")
+
+def check_same_data(*args):  # machine 1's data digests, offered as a pickle
+    dist.all_gather_object([None] * dist.get_world_size(), Payload())
+
+script.check_same_data = check_same_data
+"""
+
+
+def test_a_stranger_in_machine_1s_place_runs_no_code_on_machine_0(data_dir, tmp_path):
+    """A program that takes machine 1's rank in the store (its record as rank 0's: the script's own code) and
+    offers a pickle as machine 1's data digests: rank 0 unpickled it (all_gather_object), running the
+    stranger's code. Now no machine unpickles what another sends: no file is written, and machine 0 stops
+    with one line."""
+    port, marker, timeout = free_port(), tmp_path / "written", 20
+    machine0 = job(data_dir, processes=1, machines=2, machine=0, port=port, timeout=timeout)
+    stranger = changed_job(tmp_path, STRANGER.format(marker=str(marker)), "--data-dir", data_dir,
+                           "--batch-size", 64, "--num-machines", 2, "--machine-id", 1, "--master-port", port,
+                           "--timeout", timeout)  # fmt: skip
+    result = finish(machine0, timeout=timeout + WITHIN + 30)
+    finish(stranger, timeout=30)
+    assert not marker.exists()
+    single_lines([result])  # the stranger's rank took no part: rank 0 waited --timeout for it
+    assert left_running(machine0.pid) == []
+
+
+def test_no_object_collective_takes_what_another_rank_sends():
+    """An object collective unpickles what its senders sent: only rank 0 may send one, which every rank
+    trusts already (it serves the store). Tensors carry anything another rank sends."""
+    for script in ("convnet_distributed.py", "convnet_distributed_cuda.py", "convnet_undistributed.py"):
+        with open(os.path.join(REPO, script)) as f:
+            tree = ast.parse(f.read())
+        for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+            name = getattr(call.func, "attr", getattr(call.func, "id", ""))
+            if name.endswith(("_object", "_object_list")):
+                src = {k.arg: k.value for k in call.keywords}.get("src")
+                where = f"{script}:{call.lineno}: {name}"
+                assert name == "broadcast_object_list", where
+                assert isinstance(src, ast.Constant) and src.value == 0, f"{where}: not src=0"
