@@ -393,3 +393,28 @@ def test_no_object_collective_takes_what_another_rank_sends():
                 where = f"{script}:{call.lineno}: {name}"
                 assert name == "broadcast_object_list", where
                 assert isinstance(src, ast.Constant) and src.value == 0, f"{where}: not src=0"
+
+
+LATE = """
+import time
+reach = script.reach_every_machine
+def late(*args):  # as a slow resolver made it: resolve() ran again just before the check
+    time.sleep(20)
+    reach(*args)
+script.reach_every_machine = late
+"""
+
+
+@pytest.mark.timeout(3 * WITHIN + 120)
+def test_machines_that_come_to_the_reachability_check_20_s_apart_train(data_dir, tmp_path):
+    """Machine 0 waited 10 s for the others at the reachability check, then closed its listener: machine 1,
+    20 s late, stopped the job with "cannot reach machine 0 ... open all TCP ports". Now each waits as long
+    as the roll call does (--timeout), and the job trains."""
+    port, metrics = free_port(), tmp_path / "m.json"
+    machine0 = job(data_dir, "--metrics-json", metrics, machines=2, port=port, timeout=TIMEOUT)
+    machine1 = changed_job(tmp_path, LATE, "--data-dir", data_dir, "--num-processes", 2, "--batch-size", 32,
+                           "--num-machines", 2, "--machine-id", 1, "--master-port", port,
+                           "--timeout", TIMEOUT, "--log-interval", 1)  # fmt: skip
+    results, _ = run_together([machine0, machine1])
+    assert [r.returncode for r in results] == [0, 0] and [r.stderr for r in results] == ["", ""], results
+    assert read_json(metrics)["world_size"] == 4
