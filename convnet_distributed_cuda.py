@@ -225,7 +225,7 @@ def worker(local_rank, args, data, listener=None):
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, job)  # else a machine with other files trains on them
+        check_same_data(data, rank, device, job)  # else a machine with other files trains on them
         torch.manual_seed(job.seed)  # the baseline script's initial weights
         model = ConvNet().to(device, memory_format=torch.channels_last)  # cuDNN's tensor cores' layout
         keep_pool_gradient_channels_last(model)
@@ -627,6 +627,7 @@ def job_record(args, **decided):
 def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
     me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
+    me["address"], far = resolve(args, rank, connect=True)  # where the others reach us; where we reach 0
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
 
     def stop(line):  # every process, until the job is ready; then this one alone
@@ -686,15 +687,20 @@ def roll_call(store, rank, world_size, args):
             fix = f"the launcher ({by}) started them all: see its output for the others" if by else fix
             line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
             abort_job(store, rank, args, f"error: {line}: {fix}")
-        machine_of = from_json(ready := store.get("ready"))
+        ready = store.get("ready")
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    index = {}  # as count_machines numbers them: in the order of their first rank
-    ok = isinstance(machine_of, list) and len(machine_of) == world_size
+    index, ok = {}, False  # as count_machines numbers them: in the order of their first rank
+    with contextlib.suppress(TypeError, ValueError):  # else not [each rank's machine, each machine's address]
+        machine_of, addresses = from_json(ready)  # machine 0 on loopback (Debian's name): where we reached it
+        addresses = [far if is_loopback(a) else str(ipaddress.ip_address(a)) for a in addresses]
+        ok = len(machine_of) == world_size and len(addresses) == len(set(machine_of))
     if not (ok and all(type(m) is int and index.setdefault(m, len(index)) == m for m in machine_of)):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
     sizes = [machine_of.count(m) for m in index]
-    return dict(machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes)
+    return dict(
+        machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=addresses
+    )
 
 
 def roll_call_record(rank, world_size, args):
@@ -713,7 +719,7 @@ def roll_call_record(rank, world_size, args):
 
 
 def is_record(found):
-    types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str)
+    types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str, address=str)
     types.update(launch=str | None, launcher=str | None)
     ok = isinstance(found, dict) and all(k in found and isinstance(found[k], t) for k, t in types.items())
     return ok and isinstance(found["job"].get("model", []), list)
@@ -736,12 +742,12 @@ def flag_words(key, value=True):
 
 
 def count_machines(records, args):
-    """Each rank's machine, by --machine-id (or a launcher's), else by host; warns where scripts differ."""
+    """Each rank's machine (by --machine-id, a launcher's, or host), and each machine's address; warns."""
     key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
     for m in sorted({m for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]}):
         print(f"warning: machine {m} runs another {SCRIPT}: copy one script to all machines", file=sys.stderr)
-    return machine_of
+    return machine_of, [records[machine_of.index(m)]["address"] for m in range(len(index))]
 
 
 def rank0_files(args):
@@ -761,15 +767,17 @@ def claimed_twice(rank, first, second, args):
     return f"error: rank {rank} joined twice, from {twice}: {fix}"
 
 
-def check_same_data(data, rank, args):
+def check_same_data(data, rank, device, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
     once = local_rank_of(rank, args) == 0  # one machine's processes hold one copy: hash it once
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (args.machine_id, mine))
-    names = ("training images", "training labels", "test images", "test labels")
-    for machine, theirs in everyone:
-        if differ := ", ".join(n for n, a, b in zip(names, everyone[0][1], theirs) if a != b):
+    rows = torch.zeros(dist.get_world_size(), 5, dtype=torch.long, device=device)  # a rank's machine, digests
+    if once:  # the others' rows stay 0; 7 bytes of a SHA-256 tell copies apart
+        digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
+        rows[rank] = torch.tensor([args.machine_id, *digests])
+    dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
+    rows, names = rows.tolist(), ("training images", "training labels", "test images", "test labels")
+    for machine, *theirs in rows:
+        if differ := ", ".join(n for n, a, b in zip(names, rows[0][1:], theirs) if b and a != b):
             line = f"error: machine {machine}'s {args.dataset} {differ} differ from machine 0's"
             abort_job(None, rank, args, f"{line}: copy machine 0's files to every --data-dir")
 
@@ -832,32 +840,54 @@ def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def reach_every_machine(store, rank, args, listens_on=None):
-    """Local rank 0 of each machine connects to every other on a new port, as the backend will."""
+def reach_every_machine(store, rank, args):
+    """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
-    near, far = resolve(args, rank, connect=True)
-    with contextlib.suppress(ValueError):
-        near = str(ipaddress.ip_address(listens_on))
+    here, size = f"error: machine {me} ({socket.gethostname()})", 256 << 10  # size: a gradient bucket's
+    deadline = time.monotonic() + args.timeout  # machines that arrive apart meet
+
+    def serve():  # echoes each connection, once all is in; OSError: none within a second
+        while listener.fileno() != -1:
+            with contextlib.suppress(OSError), listener.accept()[0] as connection:
+                connection.settimeout(5)
+                connection.sendall(connection.makefile("rb").read(size))
+
+    def wait_for(key):  # every other machine's, hearing signals
+        while not store.check([f"{key}/{m}" for m in others]):
+            if time.monotonic() > deadline:
+                m = next(m for m in others if not store.check([f"{key}/{m}"]))
+                line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
+                abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
+            time.sleep(0.1)
+
     with listening(0) as listener:
-        store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
+        listener.settimeout(1)
+        threading.Thread(target=serve, daemon=True).start()
+        store.set(f"probe/{me}", f"{listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
+            wait_for("probe")
             for m in others:
-                value = store.get(f"probe/{m}")
-                address, at, host = value.decode().split() if len(value) < 300 else ()
-                address = far if is_loopback(address) else address  # machine 0, as this one reaches it
-                socket.create_connection((address, port_number(at)), timeout=5).close()
+                value, address, back = store.get(f"probe/{m}"), args.addresses[m], b""
+                at, host = value.decode().split() if len(value) < 300 else ()
+                probe = socket.create_connection((address, port_number(at)), timeout=5)
+                with probe, contextlib.suppress(OSError):  # connected: now large packets alone can fail
+                    probe.sendall(bytes(size))
+                    back = probe.makefile("rb").read(size)
+                if len(back) != size:
+                    lost = f"{size >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+                    fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
+                    abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
             store.set(f"probed/{me}", "1")  # listening until the others have tried
-            store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
-        except dist.DistError:  # the store went, or a machine took no part: the backend will say
+            wait_for("probed")
+        except dist.DistError:  # the store went: the backend will say
             return
         except (ValueError, argparse.ArgumentTypeError):  # port_number's
             abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
         except OSError as e:
             abort_job(store, rank, args, (
-                f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at "
+                f"{here} cannot reach machine {m} ({host}) at "
                 f"{address} port {at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP "
                 f"ports between the machines, or set {BACKEND.upper()}_SOCKET_IFNAME on each to the "
                 "interface that reaches them"))  # fmt: skip
@@ -1191,8 +1221,10 @@ def layout_line(world_size, args, allreduce):
 
 def report(args, device, history, seconds, samples, test, **averaging):
     """The last lines and --metrics-json; a collective (every rank's peak memory)."""
-    world_size, peaks = dist.get_world_size(), [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_mib())
+    world_size = dist.get_world_size()
+    peaks = torch.zeros(world_size, dtype=torch.float64, device=device)
+    peaks[dist.get_rank()] = peak_memory_mib() or 0  # 0: none measured (Windows)
+    dist.all_reduce(peaks)  # a tensor, not objects: no rank unpickles what another sends
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
@@ -1202,7 +1234,8 @@ def report(args, device, history, seconds, samples, test, **averaging):
         global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
         **averaging, train_seconds=seconds, total_seconds=total, samples_per_second=speed,
         final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
-        test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
+        test_accuracy=test[1], test_samples=test[2],
+        peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history,
     )  # fmt: skip
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"

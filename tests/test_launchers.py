@@ -220,11 +220,12 @@ def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch,
                OMPI_COMM_WORLD_LOCAL_SIZE=str(sizes[0]), MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
     records = [
-        {"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same"}
+        {"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same", "address": f"10.0.0.{r}"}
         for r, h in enumerate(hosts)
     ]
-    machine_of = convnet_distributed.count_machines(records, args)
+    machine_of, addresses = convnet_distributed.count_machines(records, args)
     assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
+    assert addresses == [f"10.0.0.{hosts.index(h)}" for h in sorted(set(hosts))]  # its first rank's
     args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
     assert args.machine_sizes == sizes
     assert convnet_distributed.layout_line(len(hosts), args, "gloo").startswith(line)
@@ -241,9 +242,10 @@ def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch
     assert mine.startswith(f"{socket.gethostname()} ") and "net:[" in mine
     boxes = [mine, mine, mine.replace("net:[", "net:[9"), mine.replace("net:[", "net:[9")]
     records = [
-        {"rank": r, "host": "node", "box": b, "machine": 0, "script": "same"} for r, b in enumerate(boxes)
+        {"rank": r, "host": "node", "box": b, "machine": 0, "script": "same", "address": f"10.0.0.{r}"}
+        for r, b in enumerate(boxes)
     ]
-    assert convnet_distributed.count_machines(records, args) == [0, 0, 1, 1]
+    assert convnet_distributed.count_machines(records, args) == ([0, 0, 1, 1], ["10.0.0.0", "10.0.0.2"])
 
 
 # Open MPI's rank 1 of 4 on node1 under `mpirun -H node0:2,node1:2 --map-by node`: its guessed machine,

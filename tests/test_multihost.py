@@ -544,6 +544,35 @@ def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(
     assert_namespaces_empty(network)
 
 
+LARGE_PACKETS_SECONDS = 30  # start-up, the roll call and the check's 5 s wait; a gradient was lost at 60+ s
+
+
+@pytest.mark.timeout(2 * LARGE_PACKETS_SECONDS + 60)
+def test_a_path_that_drops_large_packets_is_named_within_seconds(network, data_dir, tmp_path):
+    """Jumbo frames (MTU 9000) on both hosts, and a path that drops every packet over 1,500 bytes, sending no
+    ICMP back (a 1,500-byte hop between them): the rendezvous and the reachability check's connections
+    passed, --check said "Check passed", and the first gradient never came: "lost contact ... another
+    process stopped" 60 s later. Now the check sends a gradient bucket's size each way, and both --check and
+    a run stop within seconds, each machine saying the large packets were lost and how to check the MTU."""
+    if not shutil.which("iptables"):
+        pytest.skip("needs iptables (Debian: apt-get install iptables)")
+    for ns, interface in ((network.ns_a, network.if_a), (network.ns_b, network.if_b)):
+        ip("-n", ns, "link", "set", interface, "mtu", "9000")
+        rule = ["-i", interface, "-m", "length", "--length", "1501:65535", "-j", "DROP"]
+        subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *rule], check=True)
+    for extra in (["--check"], []):
+        machines = script_machines(
+            network, random_port(), data_dir, tmp_path, env_without_interface(), timeout=300, extra=extra
+        )
+        results = finish_all(machines, LARGE_PACKETS_SECONDS)
+        for r in results:
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 1 and len(lines) == 1, describe(results)
+            assert "the path drops large packets: check its MTU (ping -M do -s 1472 " in lines[0], lines[0]
+            assert "Check passed" not in r.stdout and "epoch: " not in r.stdout
+        assert_namespaces_empty(network)
+
+
 def listening_addresses(ns):
     """The local address:port of every listening TCP socket in namespace ns."""
     result = subprocess.run(
