@@ -186,15 +186,18 @@ def join_group(rank, world_size, args, listener=None):
     # process connects, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-    with rendezvous(rank, is_master, args, listener) as options:  # waits for machine 0
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+
+    def connect(**options):  # in rendezvous()'s thread: waiting for machine 0 hears signals
+        return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+
+    store = rendezvous(rank, is_master, args, listener, connect)
     if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
         store = dist.PrefixStore(torchrun_attempt(), store)
     # One job, one decision: every process checks in, or all stop.
     job = job_record(args, **roll_call(store, rank, world_size, args))
-    address = choose_gloo_interface(store, rank, world_size, job)  # where the other machines reach this one
+    choose_gloo_interface(store, rank, world_size, job)  # where the other machines reach this one
     with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not Gloo's C++ log
-        reach_every_machine(store, rank, job, address)  # a firewall may let only the rendezvous port through
+        reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return job_record(job, **rank0_files(job))  # every rank follows rank 0's files
 
@@ -232,7 +235,7 @@ def worker(local_rank, args, data, listener=None):
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, job)  # else a machine with other files trains on them
+        check_same_data(data, rank, device, job)  # else a machine with other files trains on them
         torch.manual_seed(job.seed)  # the baseline script's initial weights
         model = ConvNet().to(device, memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         keep_pool_gradient_channels_last(model)
@@ -250,7 +253,7 @@ def worker(local_rank, args, data, listener=None):
 def save_checkpoint(model, optimizer, epoch, args):
     state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    on_rank0(write_atomically, args.checkpoint, lambda f: torch.save(state, f))
+    on_rank0(args, write_atomically, args.checkpoint, lambda f: torch.save(state, f))
 
 
 # ---- 7. Launch and command line
@@ -346,7 +349,8 @@ def choose_gloo_interface(store, rank, world_size, args):
     elif not name and listed is not None:
         if is_loopback(address):  # machine 0, by a name on loopback: where machine 1 reached it
             try:
-                far = str(ipaddress.ip_address((raw := store.get("far/1")).decode()))
+                raw = wait_for_key(store, rank, args, "far/1", "machine 1")
+                far = str(ipaddress.ip_address(raw.decode()))
             except ValueError:
                 abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
             address = address if is_loopback(far) else far  # both on one host: loopback
@@ -368,8 +372,9 @@ def choose_gloo_interface(store, rank, world_size, args):
     if local_rank_of(rank, args) == 0:
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
     for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
+        raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
         try:
-            host, n, on, at = from_json(raw := store.get(f"machine/{machine}"))
+            host, n, on, at = from_json(raw)
         except (TypeError, ValueError):
             abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
         print0(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}")
@@ -508,8 +513,8 @@ def gradient_shortfall(model, world_size, failed=False):
 
 # ============================================================================================================
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
-# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet, DATASETS,
-# BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
+# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
+# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
 # averaging_words and worker.
 # ============================================================================================================
 
@@ -520,7 +525,8 @@ def gradient_shortfall(model, world_size, failed=False):
 # The first launcher whose rank, world size and local rank are set wins (torchrun, mpirun pass SLURM's on).
 # Its variables of rank, world size, local rank, local size, machine, machines (-: none); of the launch.
 LAUNCHERS = {
-    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK -", "TORCHELASTIC_RUN_ID"),
+    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID"),  # nodes may run different counts: GROUP_WORLD_SIZE counts them
     "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
                  "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE"),
     "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", ""),  # and Intel MPI: Hydra
@@ -601,55 +607,79 @@ def parse_args(argv=None):
     }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
     ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
+    # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
+    shared = 1 if name == "SLURM" and launched and number("SLURM_CPUS_PER_TASK", 0) else here
+    # torchrun sets OMP_NUM_THREADS=1 where the user set none (run.py): its own start-up environment lacks it.
+    torchrun_omp = False  # not Linux: the user's
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        torchrun_omp = name == "torchrun" and args.launch_id and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
     # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
-    return check_args(parser, args, here, files=placement(args, 0)[0] == 0)
+    return check_args(parser, args, shared, placement(args, 0)[0] == 0, torchrun_omp)
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
 
 
-@contextlib.contextmanager
-def rendezvous(rank, is_master, args, listener):
-    """Waits for machine 0; yields TCPStore's other options: rank 0 serves on claim_port's socket."""
+def rendezvous(rank, is_master, args, listener, connect):
+    """The store connect(**options) makes, rank 0 serving on claim_port's socket; waited for in Python."""
     resolve(args, rank, connect=not is_master)
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
-    if is_master and (listener := listener or claim_port(args)[0]):  # a launcher's rank 0 claims it here
+    if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0's: here
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    try:
-        yield options
-    except (dist.DistError, OSError) as e:
-        where = f"{args.master_addr}:{args.master_port}"
-        sys.exit(f"error: rank {rank}: rendezvous at {where} failed ({last_line(e)}): check --master-port")
+    line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
+
+    def make():  # in a thread: a client of a stopped machine 0 waits in C++, deaf to signals
+        try:
+            made.append(connect(**options))
+        except (dist.DistError, OSError) as e:
+            made.append(f"{line} went away ({last_line(e)}): see its output")
+
+    threading.Thread(target=make, daemon=True).start()
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
+        if made:
+            return sys.exit(made[0]) if isinstance(made[0], str) else made[0]
+    sys.exit(f"{line} did not answer within --timeout {args.timeout:g} s: it is stopped or hangs")
 
 
-def claim_port(args):
-    """Machine 0's socket on the rendezvous port (or a free one), held against other launches; the port."""
+def claim_port(args, listener=None, serve=False):
+    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, held against other
+    launches, refusing connections (machine 1 waits in Python) till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
     # The store is unauthenticated: a one-machine job serves it on loopback (IPv4: ::1 may be off).
     one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
-        listener = listening(args.master_port, min(hosts, key=lambda h: ":" in h) if one_host else "")
+        host = min(hosts, key=lambda h: ":" in h) if one_host else ""
+        listener = listener or listening(args.master_port, host, listen=False)
+        if serve:  # bound by another launch too (SO_REUSEADDR): the first to listen holds it
+            listener.listen()
     except OSError as e:
-        if args.num_machines > 1:  # a copied --machine-id 0 while the job forms: every launch stops
+        if args.launcher is None and args.num_machines > 1:  # a copied --machine-id 0 while the job forms
             machine0_twice(args)
-        where = f"{args.master_addr}:{args.master_port} ({os.strerror(e.errno)})"
-        fix = "choose a free --master-port" + (", or none for a free one" if args.num_machines == 1 else "")
-        sys.exit(f"error: cannot serve the rendezvous on {where}: another program holds the port: {fix}")
+        why = "only root may serve it" if isinstance(e, PermissionError) else "another program holds the port"
+        free = ", or none for a free one" * (args.launcher is None and args.num_machines == 1)  # else 8892
+        where = f"{args.master_addr}:{args.master_port} ({e.strerror})"
+        sys.exit(f"error: cannot serve the rendezvous on {where}: {why}: choose a free --master-port{free}")
     if os.name != "posix":  # Windows: TCPStore binds for itself
         with listener:
             return None, listener.getsockname()[1]
     return listener, listener.getsockname()[1]
 
 
-def listening(port, host=""):
-    """Listens on host, or on every address (IPv6 and IPv4 where it can, as TCPStore)."""
+def listening(port, host="", listen=True):
+    """A socket on host, or every address (IPv6 and IPv4 where it can, as TCPStore); listening if listen."""
     dual = not host and socket.has_dualstack_ipv6()
-    family = socket.AF_INET6 if dual or ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, dualstack_ipv6=dual)
+    sock = socket.socket(socket.AF_INET6 if dual or ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, os.name == "posix")  # as socket.create_server
+    if dual:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind((host, port))
+    if listen:
+        sock.listen()
+    return sock
 
 
 def machine0_twice(args):
@@ -673,8 +703,8 @@ def machine0_twice(args):
 
 def resolve(args, rank, connect):
     """--master-addr's addresses; with connect, the ends of a connection to machine 0 once it listens."""
-    addr, port, deadline = args.master_addr, args.master_port, time.monotonic() + args.timeout
-    while True:  # not TCPStore's wait: deaf to signals
+    addr, port = args.master_addr, args.master_port
+    for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {addr}:{port}"):  # TCPStore's is deaf
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
             if connect:  # this end's address, and machine 0's as this machine reaches it
@@ -686,9 +716,28 @@ def resolve(args, rank, connect):
         except OSError as e:
             why = f"no answer from machine 0 at {addr}:{port} within --timeout {args.timeout:g} s"
             why += f" ({e.strerror or e}): start it, or check --master-addr, --master-port and the firewall"
-        if time.monotonic() > deadline:
-            sys.exit(f"error: rank {rank}: {why}")
-        time.sleep(0.5)
+    sys.exit(f"error: rank {rank}: {why}")
+
+
+def waiting(rank, args, what, seconds=None):
+    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() it waits for
+    at 5 s, then every 30 s."""
+    start, say, t = time.monotonic(), 5, args.timeout
+    while (waited := time.monotonic() - start) < (seconds or t):
+        if waited >= say and local_rank_of(rank, args) == 0:
+            print(f"{what()} ({max(0, t - waited):.0f} s left of --timeout {t:g} s)", flush=True)
+            say = waited + 30
+        yield
+        time.sleep(0.1)
+
+
+def wait_for_key(store, rank, args, key, who):
+    """store.get(key), waited for hearing signals; past --timeout, who stopped after joining."""
+    for _ in waiting(rank, args, lambda: f"Waiting for {who}"):
+        if store.check([key]):
+            return store.get(key)
+    line = f"{who} sent nothing within --timeout {args.timeout:g} s: it stopped after joining"
+    abort_job(store, rank, args, f"error: rank {rank}: {line} (see its output)")
 
 
 def is_loopback(address):
@@ -719,7 +768,8 @@ def job_record(args, **decided):
 
 def roll_call(store, rank, world_size, args):
     """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
-    deadline, me = time.monotonic() + args.timeout, roll_call_record(rank, world_size, args)
+    me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
+    me["address"], far = resolve(args, rank, connect=True)  # where the others reach us; where we reach 0
     mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
 
     def stop(line):  # every process, until the job is ready; then this one alone
@@ -733,22 +783,31 @@ def roll_call(store, rank, world_size, args):
             stop(f"error: {line}: copy one script to every machine")
         stop(bad_value(rank, "a record", raw, args))
 
+    def waiting_for():  # rank 0 names the missing: machines where the layout tells (by hand), else ranks
+        if rank != 0:
+            return f"Waiting for all {world_size} processes to join at {where}"
+        gone = [r for r, key in enumerate(keys) if not store.check([key])]
+        who = [*dict.fromkeys(r // placement(args, 0)[2] if args.rank is None else r for r in gone)]
+        kind = ("machine" if args.rank is None else "rank") + "s" * (len(who) > 1)
+        who = ", ".join(map(str, who[:8])) + ", ..." * (len(who) > 8)
+        return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {who}"
+
     try:
-        job = me if rank == 0 else read(store.get("job"))
-        if args.machine_id == 0 and rank != 0 and args.launch_id not in (None, job["launch"]):
-            time.sleep(2)  # another job holds the port: this machine's rank 0, which could not serve, says so
-            sys.exit(1)
+        job = me if rank == 0 else read(wait_for_key(store, rank, args, "job", "rank 0"))
         facts = job["job"], me["job"]
-        if differ := [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]:
-            theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-            if "model" in differ:  # its first parameter that differs
-                pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
-                theirs, ours = next(p for p in pairs if p[0] != p[1])
-            sides = (f"machine 0 ({job['host']}) has {theirs}; "
-                     f"machine {me['machine']} ({me['host']}) has {ours}")  # fmt: skip
-            if job["launcher"] != me["launcher"]:  # a job is started one way: this is another job
-                line = f"{args.master_addr}:{args.master_port} is another job's rendezvous ({sides})"
-                abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+        theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+        if "model" in differ:  # its first parameter that differs
+            pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+            theirs, ours = next(p for p in pairs if p[0] != p[1])
+        this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
+        sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
+        # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
+        another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
+        if job["launcher"] != args.launcher or another:
+            line = f"{where} is another job's rendezvous" + f" ({sides})" * bool(differ)
+            abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+        if differ:
             flags = ", ".join(map(flag_words, differ))
             fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
             stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
@@ -756,27 +815,34 @@ def roll_call(store, rank, world_size, args):
         for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
             if (held := store.compare_set(key, "", mine)) != mine.encode():
                 stop(claimed_twice(rank, read(held), me, args))
-        while not store.check(["ready"]):
+        for _ in waiting(rank, args, waiting_for, None if rank == 0 else float("inf")):
+            if store.check(["ready"]):
+                break
             if store.check(["abort"]):
                 abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
             if rank == 0 and store.check(keys):
-                records = [read(store.get(key)) for key in keys]
-                store.set("ready", json.dumps(count_machines(records, args)))
-            elif rank == 0 and time.monotonic() > deadline:
-                joined, n = sum(store.check([k]) for k in keys), args.num_machines
-                fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
-                line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
-                abort_job(store, rank, args, f"error: {line}: {fix}")
-            time.sleep(0.1)
-        machine_of = from_json(ready := store.get("ready"))
+                store.set("ready", json.dumps(count_machines([read(store.get(key)) for key in keys], args)))
+        else:  # rank 0 alone: the others wait for its word
+            n, by, joined = args.num_machines, args.launcher, sum(store.check([k]) for k in keys)
+            fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
+            fix = fix if n > 1 else "this machine started them too slowly: raise --timeout"
+            fix = f"the launcher ({by}) started them all: see its output for the others" if by else fix
+            line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
+            abort_job(store, rank, args, f"error: {line}: {fix}")
+        ready = store.get("ready")
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    index = {}  # as count_machines numbers them: in the order of their first rank
-    ok = isinstance(machine_of, list) and len(machine_of) == world_size
+    index, ok = {}, False  # as count_machines numbers them: in the order of their first rank
+    with contextlib.suppress(TypeError, ValueError):  # else not [each rank's machine, each machine's address]
+        machine_of, addresses = from_json(ready)  # machine 0 on loopback (Debian's name): where we reached it
+        addresses = [far if is_loopback(a) else str(ipaddress.ip_address(a)) for a in addresses]
+        ok = len(machine_of) == world_size and len(addresses) == len(set(machine_of))
     if not (ok and all(type(m) is int and index.setdefault(m, len(index)) == m for m in machine_of)):
         abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
     sizes = [machine_of.count(m) for m in index]
-    return dict(machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes)
+    return dict(
+        machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=addresses
+    )
 
 
 def roll_call_record(rank, world_size, args):
@@ -795,7 +861,7 @@ def roll_call_record(rank, world_size, args):
 
 
 def is_record(found):
-    types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str)
+    types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str, address=str)
     types.update(launch=str | None, launcher=str | None)
     ok = isinstance(found, dict) and all(k in found and isinstance(found[k], t) for k, t in types.items())
     return ok and isinstance(found["job"].get("model", []), list)
@@ -803,7 +869,7 @@ def is_record(found):
 
 def from_json(raw):
     with contextlib.suppress(ValueError, RecursionError):
-        return json.loads(raw) if len(raw) < 1 << 16 else None
+        return json.loads(raw) if len(raw) < 1 << 24 else None  # "ready" of a million ranks: 9 MB
 
 
 def bad_value(rank, key, raw, args):
@@ -818,12 +884,12 @@ def flag_words(key, value=True):
 
 
 def count_machines(records, args):
-    """Each rank's machine, by --machine-id (or a launcher's), else by host; warns where scripts differ."""
+    """Each rank's machine (by --machine-id, a launcher's, or host), and each machine's address; warns."""
     key, index = "box" if args.by_host else "machine", {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
     for m in sorted({m for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]}):
         print(f"warning: machine {m} runs another {SCRIPT}: copy one script to all machines", file=sys.stderr)
-    return machine_of
+    return machine_of, [records[machine_of.index(m)]["address"] for m in range(len(index))]
 
 
 def rank0_files(args):
@@ -843,15 +909,17 @@ def claimed_twice(rank, first, second, args):
     return f"error: rank {rank} joined twice, from {twice}: {fix}"
 
 
-def check_same_data(data, rank, args):
+def check_same_data(data, rank, device, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
     once = local_rank_of(rank, args) == 0  # one machine's processes hold one copy: hash it once
-    mine = [hashlib.sha256(t.contiguous().numpy()).hexdigest() for t in data] if once else []
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (args.machine_id, mine))
-    names = ("training images", "training labels", "test images", "test labels")
-    for machine, theirs in everyone:
-        if differ := ", ".join(n for n, a, b in zip(names, everyone[0][1], theirs) if a != b):
+    rows = torch.zeros(dist.get_world_size(), 5, dtype=torch.long, device=device)  # a rank's machine, digests
+    if once:  # the others' rows stay 0; 7 bytes of a SHA-256 tell copies apart
+        digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
+        rows[rank] = torch.tensor([args.machine_id, *digests])
+    dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
+    rows, names = rows.tolist(), ("training images", "training labels", "test images", "test labels")
+    for machine, *theirs in rows:
+        if differ := ", ".join(n for n, a, b in zip(names, rows[0][1:], theirs) if b and a != b):
             line = f"error: machine {machine}'s {args.dataset} {differ} differ from machine 0's"
             abort_job(None, rank, args, f"{line}: copy machine 0's files to every --data-dir")
 
@@ -914,32 +982,54 @@ def local_rank_of(rank, args):
     return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
 
 
-def reach_every_machine(store, rank, args, listens_on=None):
-    """Local rank 0 of each machine connects to every other on a new port, as the backend will."""
+def reach_every_machine(store, rank, args):
+    """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
     me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
-    near, far = resolve(args, rank, connect=True)
-    with contextlib.suppress(ValueError):
-        near = str(ipaddress.ip_address(listens_on))
+    here, size = f"error: machine {me} ({socket.gethostname()})", 256 << 10  # size: a gradient bucket's
+    deadline = time.monotonic() + args.timeout  # machines that arrive apart meet
+
+    def serve():  # echoes each connection, once all is in; OSError: none within a second
+        while listener.fileno() != -1:
+            with contextlib.suppress(OSError), listener.accept()[0] as connection:
+                connection.settimeout(5)
+                connection.sendall(connection.makefile("rb").read(size))
+
+    def wait_for(key):  # every other machine's, hearing signals
+        while not store.check([f"{key}/{m}" for m in others]):
+            if time.monotonic() > deadline:
+                m = next(m for m in others if not store.check([f"{key}/{m}"]))
+                line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
+                abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
+            time.sleep(0.1)
+
     with listening(0) as listener:
-        store.set(f"probe/{me}", f"{near} {listener.getsockname()[1]} {socket.gethostname()}")
+        listener.settimeout(1)
+        threading.Thread(target=serve, daemon=True).start()
+        store.set(f"probe/{me}", f"{listener.getsockname()[1]} {socket.gethostname()}")
         try:
-            store.wait([f"probe/{m}" for m in others], timedelta(seconds=10))
+            wait_for("probe")
             for m in others:
-                value = store.get(f"probe/{m}")
-                address, at, host = value.decode().split() if len(value) < 300 else ()
-                address = far if is_loopback(address) else address  # machine 0, as this one reaches it
-                socket.create_connection((address, port_number(at)), timeout=5).close()
+                value, address, back = store.get(f"probe/{m}"), args.addresses[m], b""
+                at, host = value.decode().split() if len(value) < 300 else ()
+                probe = socket.create_connection((address, port_number(at)), timeout=5)
+                with probe, contextlib.suppress(OSError):  # connected: now large packets alone can fail
+                    probe.sendall(bytes(size))
+                    back = probe.makefile("rb").read(size)
+                if len(back) != size:
+                    lost = f"{size >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+                    fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
+                    abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
             store.set(f"probed/{me}", "1")  # listening until the others have tried
-            store.wait([f"probed/{m}" for m in others], timedelta(seconds=10))
-        except dist.DistError:  # the store went, or a machine took no part: the backend will say
+            wait_for("probed")
+        except dist.DistError:  # the store went: the backend will say
             return
         except (ValueError, argparse.ArgumentTypeError):  # port_number's
             abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
         except OSError as e:
             abort_job(store, rank, args, (
-                f"error: machine {me} ({socket.gethostname()}) cannot reach machine {m} ({host}) at "
+                f"{here} cannot reach machine {m} ({host}) at "
                 f"{address} port {at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP "
                 f"ports between the machines, or set {BACKEND.upper()}_SOCKET_IFNAME on each to the "
                 "interface that reaches them"))  # fmt: skip
@@ -1000,7 +1090,7 @@ def raw_folder(args):
 
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
-    state = on_rank0(read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
+    state = on_rank0(args, read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
     if state and dist.get_rank() != 0:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1022,7 +1112,10 @@ def prepare_data(args):
             sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # another user's folder, a read-only disk
+        sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
@@ -1063,12 +1156,12 @@ def read_checkpoint(args, model, optimizer):
     return state
 
 
-def on_rank0(work, *args):
-    """work(*args) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
-    sent = [work(*args) if dist.get_rank() == 0 else None]
+def on_rank0(args, work, *inputs):
+    """work(*inputs) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
+    sent = [work(*inputs) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
     if isinstance(sent[0], str):
-        sys.exit(sent[0] if dist.get_rank() == 0 else 1)
+        abort_job(None, dist.get_rank(), args, sent[0])
     return sent[0]
 
 
@@ -1167,7 +1260,7 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
 @contextlib.contextmanager
 def exit_on_signal(args):
     """Ctrl-C or SIGTERM runs every clean-up, then exits 130 or 143 with one line a machine."""
-    path = args.checkpoint if args.machine_id == 0 else None  # machine 0's line says what it holds
+    path = args.checkpoint if placement(args, 0)[0] == 0 else None  # rank 0's machine says what it holds
     before = file_version(path)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
@@ -1270,8 +1363,10 @@ def layout_line(world_size, args, allreduce):
 
 def report(args, device, history, seconds, samples, test, **averaging):
     """The last lines and --metrics-json; a collective (every rank's peak memory)."""
-    world_size, peaks = dist.get_world_size(), [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_memory_mib())
+    world_size = dist.get_world_size()
+    peaks = torch.zeros(world_size, dtype=torch.float64, device=device)
+    peaks[dist.get_rank()] = peak_memory_mib() or 0  # 0: none measured (Windows)
+    dist.all_reduce(peaks)  # a tensor, not objects: no rank unpickles what another sends
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
@@ -1281,11 +1376,12 @@ def report(args, device, history, seconds, samples, test, **averaging):
         global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
         **averaging, train_seconds=seconds, total_seconds=total, samples_per_second=speed,
         final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
-        test_accuracy=test[1], test_samples=test[2], peak_rss_mib_per_rank=peaks, history=history,
+        test_accuracy=test[1], test_samples=test[2],
+        peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history,
     )  # fmt: skip
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"
-        on_rank0(write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
+        on_rank0(args, write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
     print0(f"Finished training in {seconds:.2f} secs")
 
 
@@ -1325,8 +1421,8 @@ def port_number(text):
     return value
 
 
-def check_args(parser, args, processes=1, files=True):
-    """Checks argparse cannot make; --threads: OMP_NUM_THREADS, else the usable cores per process."""
+def check_args(parser, args, processes=1, files=True, torchrun_omp=False):
+    """Checks argparse cannot make; --threads: OMP_NUM_THREADS (not torchrun's), else cores per process."""
     if files and args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
     for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
@@ -1341,6 +1437,8 @@ def check_args(parser, args, processes=1, files=True):
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
     cores, capped_by = min(caps, key=lambda cap: cap[0])  # of equals the first: named where it decided
     omp = getenv("OMP_NUM_THREADS", "")
+    if omp and torchrun_omp:  # no choice of the user's
+        omp, capped_by = "", f"{capped_by or 'the usable cores'}, not torchrun's default OMP_NUM_THREADS=1"
     args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
     try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
         args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))

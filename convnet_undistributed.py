@@ -69,7 +69,10 @@ def prepare_data(args):
             sys.exit(error)
     if all(map(os.path.isfile, paths)):
         return
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # another user's folder, a read-only disk
+        sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
@@ -293,8 +296,8 @@ def getenv(name, default=None):
 
 
 # ---- Machinery: speed and robustness (a first reading may skip it)
-def check_args(parser, args, processes=1, files=True):
-    """Checks argparse cannot make; --threads: OMP_NUM_THREADS, else the usable cores per process."""
+def check_args(parser, args, processes=1, files=True, torchrun_omp=False):
+    """Checks argparse cannot make; --threads: OMP_NUM_THREADS (not torchrun's), else cores per process."""
     if files and args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
     for flag, path in ("--checkpoint", args.checkpoint), ("--metrics-json", args.metrics_json):
@@ -309,6 +312,8 @@ def check_args(parser, args, processes=1, files=True):
     caps = [(cores, ""), (cgroup_cpus() or cores, "the cgroup's CPU quota"), (slurm, "SLURM_CPUS_PER_TASK")]
     cores, capped_by = min(caps, key=lambda cap: cap[0])  # of equals the first: named where it decided
     omp = getenv("OMP_NUM_THREADS", "")
+    if omp and torchrun_omp:  # no choice of the user's
+        omp, capped_by = "", f"{capped_by or 'the usable cores'}, not torchrun's default OMP_NUM_THREADS=1"
     args.threads_from = "" if args.threads or omp else capped_by  # said in the layout line
     try:  # OpenMP's 4,2 (threads per nesting level): the outer 4
         args.threads = args.threads or positive_int(omp.split(",")[0] or max(1, cores // processes))

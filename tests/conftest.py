@@ -160,8 +160,8 @@ def free_port():
 # Variables a launcher sets that change what the scripts do: each test sets the ones it means to.
 LAUNCHER_ENV = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "SLURM_CPUS_PER_TASK", "GROUP_RANK",
-                "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
-                "PMI_RANK", "MV2_COMM_WORLD_RANK")  # fmt: skip
+                "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID",
+                "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")  # fmt: skip
 
 
 def script_env(**extra):

@@ -3,11 +3,13 @@
 import http.server
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from conftest import FILES, N_TEST, free_port, read_json, run_script, script_env, write_dataset
+from conftest import FILES, N_TEST, REPO, finish, free_port, read_json, run_script, script_env, write_dataset
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 
@@ -150,3 +152,38 @@ def test_damaged_gzip_file_is_a_clear_error_and_leaves_nothing_half_written(tmp_
     assert "cannot unpack" in result.stderr and str(gz) in result.stderr
     assert not (raw / "t10k-images-idx3-ubyte").exists()
     assert not [p for p in os.listdir(raw) if ".part" in p]
+
+
+# Root without its capabilities (setpriv) stands for an ordinary user: file permissions bind it. (A plain user
+# cannot run this Python where it lies under /root, a folder of mode 0700.)
+AS_A_USER = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_data_dir_this_user_may_not_make_is_one_line_on_every_machine(tmp_path):
+    """An ordinary user's --data-dir /root/data, no data yet: a PermissionError traceback from prepare_data's
+    os.makedirs. Now one line on each machine, in each script (the GPU script's prepare_data is the shared
+    block's, called directly: its main stops first where no GPU is)."""
+    theirs = tmp_path / "theirs"  # another user's folder, mode 755
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    data, port = theirs / "data", free_port()
+    machine = [os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data, "--num-processes", 2,
+               "--num-machines", 2, "--master-port", port, "--machine-id"]  # fmt: skip
+    call = f"import sys, types; sys.path.insert(0, {REPO!r}); import convnet_distributed_cuda as s; "
+    call += f"s.prepare_data(types.SimpleNamespace(data_dir={str(data)!r}, dataset='mnist'))"
+    commands = [
+        [*machine, 0],
+        [*machine, 1],
+        [os.path.join(REPO, "convnet_undistributed.py"), "--data-dir", data],
+    ]
+    procs = [
+        subprocess.Popen([*AS_A_USER, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=script_env(), start_new_session=True)
+        for argv in [*commands, ["-c", call]]
+    ]  # fmt: skip
+    line = f"error: cannot make {data / 'MNIST' / 'raw'}/ (Permission denied): "
+    line += "give a --data-dir this user may write to"
+    for result in [finish(p, 90) for p in procs]:
+        assert result.returncode == 1 and result.stderr == line + "\n", result.stderr
+    assert os.listdir(theirs) == []

@@ -2,10 +2,12 @@
 with a message naming the cause, and loses no finished work."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -178,6 +180,39 @@ def test_machine_that_never_starts_is_reported_after_the_timeout(data_dir):
     assert_clean_failure(result, f"no answer from machine 0 at 127.0.0.1:{port} within --timeout 5 s")
     assert 5 <= seconds < 60
     assert left_running(machine1.pid) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_waiting_machine_says_what_it_waits_for_every_30_s(data_dir):
+    """Machine 1 started before machine 0, or machine 0 whose peers had not come, printed nothing until
+    --timeout's line. Now each says, 5 s into the wait and every 30 s after, what it waits for."""
+    timeout, port = 40, free_port()
+    procs = [  # machine 0 of 3, alone; machine 1 of another job, alone
+        job(data_dir, "--check", processes=1, machines=3, machine=0, timeout=timeout),
+        job(data_dir, "--check", processes=1, machines=2, machine=1, port=port, timeout=timeout),
+    ]
+    start, said = time.monotonic(), [[], []]
+    readers = [
+        threading.Thread(target=lambda p=p, s=s: s.extend((time.monotonic() - start, x) for x in p.stdout))
+        for p, s in zip(procs, said)
+    ]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join(timeout + 60)  # till the launch ends its output
+    results = [finish(p, timeout=30) for p in procs]
+    assert_clean_failure(results[0], "only 1 of 3 processes joined within --timeout 40 s")
+    assert_clean_failure(results[1], f"no answer from machine 0 at 127.0.0.1:{port} within --timeout 40 s")
+    waits = (
+        r"1 of 3 processes have joined; waiting for machines 1, 2 \((\d+) s left of --timeout 40 s\)\n",
+        rf"Waiting for machine 0 at 127\.0\.0\.1:{port} \((\d+) s left of --timeout 40 s\)\n",
+    )
+    for lines, wait in zip(said, waits):
+        assert len(lines) == 2 and all(re.fullmatch(wait, x) for _, x in lines), lines  # at 5 s and 35 s
+        # Said 5 s into the wait (after importing torch: 3 s on a quiet host, 10 s on a loaded one), then
+        # 30 s on.
+        left, gap = int(re.fullmatch(wait, lines[0][1])[1]), lines[1][0] - lines[0][0]
+        assert left >= timeout - 6 and gap > 20, lines
 
 
 @pytest.mark.alone  # under load, machine 1 named its other rank's "lost contact" before the killed worker

@@ -21,7 +21,7 @@ import convnet_distributed
 import convnet_distributed_cuda
 import convnet_undistributed
 from conftest import REPO, default_ctrl_c, finish, free_port, launch, script_env, spawn_bounded, wait_for_line
-from test_faults import left_running
+from test_faults import job, left_running
 
 # A tmpfs of its own, seen by this command alone (a mount namespace): the disk fills where a test says.
 ON_A_SMALL_DISK = """
@@ -107,14 +107,16 @@ def test_a_full_disk_stops_the_baseline_with_one_line_and_the_metrics_before_who
 
 GPU_SCRIPT_SAVES = """
 import sys
+import types
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 import convnet_distributed_cuda as script
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+job, path = types.SimpleNamespace(rank=0, local_rank=0), sys.argv[1]  # a launcher's rank 0, alone
 try:
-    script.on_rank0(script.write_atomically, sys.argv[1], lambda f: f.write(b"first" * 400_000))  # 2 of 3 MB
-    script.on_rank0(script.write_atomically, sys.argv[1], lambda f: f.write(b"second" * 400_000))  # no room
+    script.on_rank0(job, script.write_atomically, path, lambda f: f.write(b"first" * 400_000))  # 2 of 3 MB
+    script.on_rank0(job, script.write_atomically, path, lambda f: f.write(b"second" * 400_000))  # no room
 except SystemExit as e:  # leave as the script does: a teardown with the group alive can abort
     script.exit_at_once(e.code)
 """
@@ -300,3 +302,21 @@ def test_a_stop_while_unpacking_leaves_no_half_unpacked_file(tmp_path, monkeypat
     with pytest.raises(stop):
         convnet_distributed.prepare_data(types.SimpleNamespace(data_dir=str(tmp_path), dataset="mnist"))
     assert sorted(os.listdir(raw)) == sorted(name + ".gz" for name in FILES)  # the .gz files alone
+
+
+@needs_mount
+def test_a_checkpoint_machine_0_cannot_write_is_one_line_on_every_machine(data_dir, tmp_path):
+    """Rank 0 could not write --checkpoint (here a disk too small for it): machine 0 said why, and the other
+    machines exited 1 with no line. Now every machine says it, once: two machines of 2 processes each."""
+    port, ck = free_port(), tmp_path / "disk" / "ck.pt"
+    machine1 = job(data_dir, processes=2, machines=2, machine=1, port=port, timeout=60)
+    command = [sys.executable, os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data_dir,
+               "--num-processes", 2, "--batch-size", 32, "--num-machines", 2, "--machine-id", 0,
+               "--master-port", port, "--timeout", 60, "--log-interval", 1, "--checkpoint", ck]  # fmt: skip
+    result, names, _, pgid = on_a_small_disk(tmp_path, command, "1m", "ck.pt")
+    other = finish(machine1, 60)
+    for machine in result, other:
+        assert_one_line(machine, ck)
+        assert "Test set, epoch 0" in machine.stdout or machine is other
+    assert names == []  # no temporary file left
+    assert left_running(pgid) == [] and left_running(machine1.pid) == []

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import convnet_distributed
 import convnet_distributed_cuda
-from conftest import N_TEST, REPO, finish, free_port, launch, read_json, script_env
+from conftest import N_TEST, REPO, finish, free_port, launch, read_json, script_env, write_dataset
 from test_faults import job, left_running
 
 SCRIPTS = [convnet_distributed, convnet_distributed_cuda]
@@ -220,11 +220,12 @@ def test_the_roll_call_counts_machines_by_host_under_mpi(clean_env, monkeypatch,
                OMPI_COMM_WORLD_LOCAL_SIZE=str(sizes[0]), MASTER_ADDR="a")  # fmt: skip
     args, _ = layout(convnet_distributed, monkeypatch, env)
     records = [
-        {"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same"}
+        {"rank": r, "host": h, "box": f"{h} boot", "machine": 0, "script": "same", "address": f"10.0.0.{r}"}
         for r, h in enumerate(hosts)
     ]
-    machine_of = convnet_distributed.count_machines(records, args)
+    machine_of, addresses = convnet_distributed.count_machines(records, args)
     assert machine_of == [sorted(set(hosts)).index(h) for h in hosts]
+    assert addresses == [f"10.0.0.{hosts.index(h)}" for h in sorted(set(hosts))]  # its first rank's
     args.machine_sizes = [machine_of.count(m) for m in range(max(machine_of) + 1)]
     assert args.machine_sizes == sizes
     assert convnet_distributed.layout_line(len(hosts), args, "gloo").startswith(line)
@@ -241,9 +242,97 @@ def test_two_hosts_of_one_name_are_two_machines_under_mpi(clean_env, monkeypatch
     assert mine.startswith(f"{socket.gethostname()} ") and "net:[" in mine
     boxes = [mine, mine, mine.replace("net:[", "net:[9"), mine.replace("net:[", "net:[9")]
     records = [
-        {"rank": r, "host": "node", "box": b, "machine": 0, "script": "same"} for r, b in enumerate(boxes)
+        {"rank": r, "host": "node", "box": b, "machine": 0, "script": "same", "address": f"10.0.0.{r}"}
+        for r, b in enumerate(boxes)
     ]
-    assert convnet_distributed.count_machines(records, args) == [0, 0, 1, 1]
+    assert convnet_distributed.count_machines(records, args) == ([0, 0, 1, 1], ["10.0.0.0", "10.0.0.2"])
+
+
+# Open MPI's rank 1 of 4 on node1 under `mpirun -H node0:2,node1:2 --map-by node`: its guessed machine,
+# rank // local size, is 0.
+MAP_BY_NODE = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
+                   OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_ADDR="node0", PMIX_NAMESPACE="4242")  # fmt: skip
+
+
+def test_under_mpi_only_rank_0s_machine_names_the_checkpoint_on_a_stop(
+    clean_env, monkeypatch, capsys, tmp_path
+):
+    """Under mpirun --map-by node, host node1 (rank 1, local rank 0) took itself for machine 0, and its stop
+    line said nothing was saved to a checkpoint that rank 0 alone writes, on node0."""
+    monkeypatch.setattr(convnet_distributed, "raise_on_signals", lambda ctrl_c: None)
+    for rank, said in (
+        ("1", ""),
+        ("0", f"; no epoch completed, so nothing was saved to {tmp_path / 'ck.pt'}"),
+    ):
+        env = dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK=rank)
+        args, _ = layout(convnet_distributed, monkeypatch, env, ["--checkpoint", str(tmp_path / "ck.pt")])
+        with pytest.raises(SystemExit), convnet_distributed.exit_on_signal(args):
+            raise SystemExit(143)
+        assert (
+            capsys.readouterr().err == f"Terminated (SIGTERM): every process of this launch stopped{said}\n"
+        )
+
+
+def test_a_port_taken_is_named_by_its_cause_and_no_port_is_offered_only_where_it_means_a_free_one(
+    clean_env, monkeypatch
+):
+    """'another program holds the port' was said for every error, and 'or none for a free one' offered under
+    launchers too, where no port means 8892 or SLURM's. By hand on one machine, none: a free one."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        lines = []
+        for env in (
+            {},
+            dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", MASTER_ADDR=""),
+        ):
+            with monkeypatch.context() as patch:
+                args, _ = layout(convnet_distributed, patch, env, ["--master-port", str(port)])
+                with pytest.raises(SystemExit) as exit:
+                    convnet_distributed.claim_port(args)
+                lines.append(exit.value.code)
+    held = (
+        f"error: cannot serve the rendezvous on 127.0.0.1:{port} (Address already in use): another program "
+    )
+    assert lines == [
+        f"{held}holds the port: choose a free --master-port, or none for a free one",
+        f"{held}holds the port: choose a free --master-port",  # Open MPI: no port would be 8892
+    ]
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv (util-linux) to take the capability to serve port 80 away")
+    script = os.path.join(REPO, "convnet_distributed.py")
+    result = subprocess.run(  # a user who may not serve a port below 1024: root without that capability
+        ["setpriv", "--bounding-set", "-net_bind_service", sys.executable, script, "--master-port", "80",
+         "--check"], capture_output=True, text=True, timeout=60, env=script_env(),
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (1, (
+        "error: cannot serve the rendezvous on 127.0.0.1:80 (Permission denied): only root may serve it: "
+        "choose a free --master-port, or none for a free one\n"
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, argv, fix",
+    [
+        ({}, ["--num-machines", "2"], "start every machine (--num-machines 2) with one --master-addr and "),
+        ({}, ["--num-processes", "2"], "this machine started them too slowly: raise --timeout"),
+        (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"), [],
+         "the launcher (torchrun) started them all: see its output for the others"),
+        (dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0"), [],
+         "the launcher (Open MPI) started them all: see its output for the others"),
+    ],
+)  # fmt: skip
+def test_the_roll_calls_timeout_says_what_to_do_for_each_way_of_starting(
+    clean_env, monkeypatch, env, argv, fix
+):
+    """It told torchrun and mpirun users, and one-machine jobs, to "start every machine"."""
+    args, _ = layout(convnet_distributed, monkeypatch, env, ["--timeout", "1", *argv])
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    with pytest.raises(SystemExit) as exit:
+        convnet_distributed.roll_call(store, 0, args.world_size, args)
+    line = f"error: only 1 of {args.world_size} processes joined within --timeout 1 s: {fix}"
+    assert exit.value.code.startswith(line), exit.value.code
 
 
 def test_torchrun_restart_is_named_on_the_start_up_line(clean_env, monkeypatch):
@@ -389,7 +478,8 @@ def test_a_process_of_another_job_never_joins_a_waiting_job(data_dir, tmp_path):
     while (
         time.monotonic() < deadline and a0.poll() is None
     ):  # until A's rank 0 has claimed the job in its store
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(OSError, RuntimeError):  # refused until the store listens
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WITHIN))
             if store.check(["job"]):
                 break
@@ -442,3 +532,110 @@ def test_mpirun_np_2_on_one_host_trains_as_one_group(data_dir, tmp_path):
     assert m["allreduce"] == "shared-memory"  # both ranks on this machine
     assert result.stdout.count("Finished training in") == 1  # one log for the job, not one per rank
     assert left_running(proc.pid) == []
+
+
+# torchrun allows another --nproc-per-node on each node: 3 + 2, 2 + 3 and 1 + 1 + 3 processes.
+NODE_COUNTS = [(3, 2), (2, 3), (1, 1, 3)]
+
+
+def torchrun_env(counts, node, local_rank):
+    """What torchrun's agent on node sets for a worker when the nodes run counts processes."""
+    rank, world_size = sum(counts[:node]) + local_rank, sum(counts)
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(counts[node]), GROUP_RANK=str(node), GROUP_WORLD_SIZE=str(len(counts)),
+                TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # fmt: skip
+
+
+@pytest.mark.parametrize("counts", NODE_COUNTS)
+def test_torchrun_nodes_may_run_different_process_counts(clean_env, monkeypatch, counts):
+    """The machines were the world size over the local size, rounded up: node 2 of 1 + 1 + 3 stopped with
+    "--machine-id must be in 0-1 for 2 machines", and 3 + 2 counted 3 machines on node 1. torchrun's
+    GROUP_WORLD_SIZE counts them; the roll call then counts each machine's processes."""
+    for node, n in enumerate(counts):
+        for local_rank in range(n):
+            args, processes = layout(convnet_distributed, monkeypatch, torchrun_env(counts, node, local_rank))
+            assert (args.num_machines, args.machine_id, processes) == (len(counts), node, n)
+            assert (args.rank, args.local_rank, args.world_size) == (
+                sum(counts[:node]) + local_rank, local_rank, sum(counts))  # fmt: skip
+
+
+def torchrun_command(*flags, script=("convnet_distributed.py",)):
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, flags), *script]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_nodes_of_1_1_and_3_processes_train_as_one_group(tmp_path):
+    """Three torchrun agents on this host play three nodes (static rendezvous: the node ranks are fixed), the
+    third with 3 processes: it stopped with "--machine-id must be in 0-1 for 2 machines". Now the 5 train as
+    one group, and the layout line counts each machine's processes. The test above checks every order's
+    environments; this one runs the order that failed, with tiny data."""
+    data = write_dataset(str(tmp_path / "data"), n_train=320, n_test=100)
+    port, counts = free_port(), NODE_COUNTS[2]
+    script = [os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data, "--batch-size", 16,
+              "--log-interval", 1000, "--timeout", 120]  # fmt: skip
+    procs = []
+    for node, n in enumerate(counts):
+        flags = ["--nnodes", 3, "--node-rank", node, "--nproc-per-node", n, "--master-addr", "127.0.0.1"]
+        metrics = ["--metrics-json", tmp_path / f"m{node}.json"]
+        command = torchrun_command(*flags, "--master-port", port, script=[*map(str, script + metrics)])
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=script_env(), start_new_session=True))  # fmt: skip
+    results = [finish(p, 200) for p in procs]
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr[-2000:] for r in results]
+    assert read_json(tmp_path / "m0.json")["world_size"] == 5
+    assert not (tmp_path / "m1.json").exists() and not (tmp_path / "m2.json").exists()
+    assert "World size 5 = 3 machines (1 + 1 + 3 processes);" in results[0].stdout, results[0].stdout
+    assert all(left_running(p.pid) == [] for p in procs)
+
+
+def test_srun_cpus_per_task_are_each_tasks_own(clean_env, monkeypatch):
+    """srun --ntasks-per-node 4 --cpus-per-task 8: SLURM_CPUS_PER_TASK is per task, but it was divided by the
+    tasks again: 2 threads a rank on its 8 cores, "from SLURM_CPUS_PER_TASK". A task's CPUs are its own,
+    whether SLURM pins it to them (a mask of 8 cores) or not (the node's 32); the processes the script starts
+    inside one task share it."""
+    env = dict(SRUN_2X2, SLURM_PROCID="5", SLURM_STEP_NUM_TASKS="8", SLURM_STEP_TASKS_PER_NODE="4(x2)",
+               SLURM_CPUS_PER_TASK="8")  # fmt: skip
+    args, processes = layout(convnet_distributed, monkeypatch, env)  # pinned: 8 cores
+    assert (args.rank, processes, args.threads, args.threads_from) == (5, 4, 8, "")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))  # not pinned
+    args = convnet_distributed.parse_args([])
+    assert (args.threads, args.threads_from) == (8, "SLURM_CPUS_PER_TASK")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")  # one task a node, 4 processes of the script's
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    args = convnet_distributed.parse_args(["--num-processes", "4"])
+    assert (args.rank, args.threads, args.threads_from) == (None, 2, "SLURM_CPUS_PER_TASK")
+
+
+# torchrun's worker, the script run as __main__ on a machine that seems to have 16 cores.
+ON_16_CORES = """
+import os, runpy, sys
+os.sched_getaffinity = lambda pid: set(range(16))
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("user_omp", [None, "1"])
+def test_torchrun_default_of_one_thread_is_not_taken_for_the_users(tmp_path, user_omp):
+    """torchrun --nproc-per-node 2 sets OMP_NUM_THREADS=1 where the user set none: on 16 cores each process
+    ran 1 thread, 8 times fewer than the cores allow, and nothing said so. torchrun's own start-up
+    environment tells who set it: torchrun, 8 threads each and the layout line says why; the user, 1."""
+    (tmp_path / "on_16_cores.py").write_text(ON_16_CORES)
+    data = write_dataset(str(tmp_path / "data"), n_train=256, n_test=100)
+    script = [tmp_path / "on_16_cores.py", os.path.join(REPO, "convnet_distributed.py"), "--data-dir", data,
+              "--batch-size", 16, "--log-interval", 1000, "--metrics-json", tmp_path / "m.json"]  # fmt: skip
+    command = torchrun_command("--standalone", "--nproc-per-node", 2, script=map(str, script))
+    env = script_env(**({"OMP_NUM_THREADS": user_omp} if user_omp else {}))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    result = finish(proc, 200)
+    assert result.returncode == 0, result.stderr
+    layout_line = next(line for line in result.stdout.splitlines() if line.startswith("World size"))
+    if user_omp:
+        assert "; 1 thread per process; " in layout_line, layout_line
+    else:
+        why = "; 8 threads per process, from the usable cores, not torchrun's default OMP_NUM_THREADS=1; "
+        assert why in layout_line, layout_line
+    assert read_json(tmp_path / "m.json")["threads"] == (1 if user_omp else 8)

@@ -11,6 +11,7 @@ address, as two freshly installed hosts on one network would, and every launch n
 Needs root and iproute2 (`ip netns`) and util-linux (`unshare`); skipped otherwise.
 """
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -543,6 +544,35 @@ def test_a_firewall_open_on_the_rendezvous_port_alone_is_named_within_seconds(
     assert_namespaces_empty(network)
 
 
+LARGE_PACKETS_SECONDS = 30  # start-up, the roll call and the check's 5 s wait; a gradient was lost at 60+ s
+
+
+@pytest.mark.timeout(2 * LARGE_PACKETS_SECONDS + 60)
+def test_a_path_that_drops_large_packets_is_named_within_seconds(network, data_dir, tmp_path):
+    """Jumbo frames (MTU 9000) on both hosts, and a path that drops every packet over 1,500 bytes, sending no
+    ICMP back (a 1,500-byte hop between them): the rendezvous and the reachability check's connections
+    passed, --check said "Check passed", and the first gradient never came: "lost contact ... another
+    process stopped" 60 s later. Now the check sends a gradient bucket's size each way, and both --check and
+    a run stop within seconds, each machine saying the large packets were lost and how to check the MTU."""
+    if not shutil.which("iptables"):
+        pytest.skip("needs iptables (Debian: apt-get install iptables)")
+    for ns, interface in ((network.ns_a, network.if_a), (network.ns_b, network.if_b)):
+        ip("-n", ns, "link", "set", interface, "mtu", "9000")
+        rule = ["-i", interface, "-m", "length", "--length", "1501:65535", "-j", "DROP"]
+        subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *rule], check=True)
+    for extra in (["--check"], []):
+        machines = script_machines(
+            network, random_port(), data_dir, tmp_path, env_without_interface(), timeout=300, extra=extra
+        )
+        results = finish_all(machines, LARGE_PACKETS_SECONDS)
+        for r in results:
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 1 and len(lines) == 1, describe(results)
+            assert "the path drops large packets: check its MTU (ping -M do -s 1472 " in lines[0], lines[0]
+            assert "Check passed" not in r.stdout and "epoch: " not in r.stdout
+        assert_namespaces_empty(network)
+
+
 def listening_addresses(ns):
     """The local address:port of every listening TCP socket in namespace ns."""
     result = subprocess.run(
@@ -772,22 +802,17 @@ def test_a_copied_machine_id_is_named_on_every_machine_within_seconds(network, d
     assert_namespaces_empty(network)
 
 
-MPI_SECONDS = 120  # one mpirun job of 4 ranks on two hosts; about 20 s on 2 cores
-
-
-@pytest.mark.timeout(2 * MPI_SECONDS + 60)
-def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
-    """The mpirun line of docs/launching.md, -H node0:2,node1:2: Open MPI starts node1's daemon through its
-    rsh agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's
-    address every rank stops with one line, nothing trained; with -x MASTER_ADDR=node0, one group of 4."""
+def mpirun_env(net, folder):
+    """The environment for mpirun on node0: Open MPI starts node1's daemon through its rsh agent (here a
+    script that enters node1's namespace, where a cluster would ssh)."""
     if not shutil.which("mpirun"):
         pytest.skip("needs mpirun (Debian: apt-get install openmpi-bin)")
-    agent = tmp_path / "agent.sh"
+    agent = folder / "agent.sh"
     agent.write_text(
         "#!/bin/sh\n"
         "# Open MPI's rsh agent, called as: agent HOST COMMAND...; "
         "the host is a namespace with its own name.\n"
-        f'case "$1" in node0) ns={network.ns_a};; node1) ns={network.ns_b};; *) exit 1;; esac\n'
+        f'case "$1" in node0) ns={net.ns_a};; node1) ns={net.ns_b};; *) exit 1;; esac\n'
         'host="$1"; shift\n'
         'exec ip netns exec "$ns" unshare --uts sh -c "hostname $host; $*"\n'
     )
@@ -796,6 +821,18 @@ def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_plm_rsh_agent=str(agent)
     )
     env.pop("GLOO_SOCKET_IFNAME", None)
+    return env
+
+
+MPI_SECONDS = 120  # one mpirun job of 4 ranks on two hosts; about 20 s on 2 cores
+
+
+@pytest.mark.timeout(2 * MPI_SECONDS + 60)
+def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
+    """The mpirun line of docs/launching.md, -H node0:2,node1:2: Open MPI starts node1's daemon through its
+    rsh agent (here a script that enters node1's namespace, where a cluster would ssh). Without machine 0's
+    address every rank stops with one line, nothing trained; with -x MASTER_ADDR=node0, one group of 4."""
+    env = mpirun_env(network, tmp_path)
     port = random_port()
 
     def mpirun(label, *exports):
@@ -858,3 +895,149 @@ def test_mpirun_across_two_hosts(network, data_dir, tmp_path):
             )
         check_metrics(tmp_path / f"{label}.json", sum(sizes))
         assert_namespaces_empty(network)
+
+
+def mpirun_job(net, folder, env, label, *argv, sh=None, placement=()):
+    """An mpirun job of 4 ranks on node0 and node1 (no MASTER_PORT: 8892), started on node0; sh: a shell line
+    each rank runs first, the script's command its "$@"."""
+    command = [sys.executable, SCRIPT, *argv]
+    wrap = ["sh", "-c", f'{sh}; exec "$@"', "sh"] if sh else []
+    mpirun = [
+        "mpirun",
+        "-np",
+        4,
+        "-H",
+        "node0:2,node1:2",
+        *placement,
+        "-x",
+        "MASTER_ADDR=node0",
+        *wrap,
+        *command,
+    ]
+    return Machine(label, net.ns_a, mpirun, env, folder, "node0")
+
+
+def wait_for_text(machine, text, within):
+    deadline = time.monotonic() + within
+    while text not in machine.out.read_text():
+        assert machine.proc.poll() is None and time.monotonic() < deadline, describe([machine.result()])
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(2 * MPI_SECONDS + 60)
+@pytest.mark.parametrize(
+    "differs, b_first",
+    [
+        (["--lr", "0.4"], "if [ $(hostname) = node0 ]; then sleep 600; fi"),  # B's node1 ranks come alone
+        (["--checkpoint", "b.pt"], None),  # B's rank 0 finds A holding the port
+    ],
+)
+def test_two_mpirun_jobs_across_the_same_hosts_never_stop_each_other(
+    network, data_dir, tmp_path, differs, b_first
+):
+    """Nothing sets a port under MPI: two mpirun jobs across the same hosts both take 8892, and the launch id
+    was compared on machine 0 alone. Job B's ranks on node1 reached job A's store as A formed, and stopped A
+    ("the machines disagree on --lr"); where only --checkpoint differed, B's rank 0, whose port A held, did
+    ("rank 0 joined twice"). Now a process of another launch (PMIx's namespace) stops alone, naming its own
+    cause, and A trains. A's ranks on node1 start once B has ended: A still forms while B comes."""
+    env, go = mpirun_env(network, tmp_path), tmp_path / "go"
+    a_args = [*common_args(data_dir), "--metrics-json", tmp_path / "a.json"]
+    a_first = f"if [ $(hostname) = node1 ]; then while [ ! -e {go} ]; do sleep 0.2; done; fi"
+    a = mpirun_job(network, tmp_path, env, "jobA", *a_args, sh=a_first)
+    wait_for_text(a, "2 of 4 processes have joined; waiting for ranks 2, 3", MPI_SECONDS)
+    b = mpirun_job(network, tmp_path, env, "jobB", *common_args(data_dir), *differs, sh=b_first)
+    (job_b,) = finish_all([b], MPI_SECONDS)
+    go.touch()
+    (job_a,) = finish_all([a], MPI_SECONDS)
+    assert job_a.returncode == 0 and "error" not in job_a.stderr, describe([job_a, job_b])
+    check_metrics(tmp_path / "a.json", 4)
+    said = [line for line in job_b.stderr.splitlines() if line.startswith("error")]
+    assert job_b.returncode != 0 and said, describe([job_b])
+    own = (
+        "error: cannot serve the rendezvous on node0:8892 (Address already in use): another program holds "
+        "the port: choose a free --master-port",
+        "error: node0:8892 is another job's rendezvous",
+    )
+    assert all(line.startswith(own) for line in said), describe([job_b])
+    assert any(line.startswith(own[1 if b_first else 0]) for line in said), describe([job_b])
+    assert not (tmp_path / "b.pt").exists()
+    assert_namespaces_empty(network)
+
+
+@pytest.mark.timeout(MPI_SECONDS + 60)
+def test_mpirun_by_node_names_each_rank_by_its_host_not_a_guessed_machine(network, data_dir, tmp_path):
+    """mpirun --map-by node puts ranks 1 and 3 on node1; the machine index was guessed as rank // local size,
+    and a flag that differs between the hosts (here a shell line picks --lr by host) was said as
+    "machine 0 (node1) has --lr 0.4". Under MPI the roll call tells machines by host: the line names ranks."""
+    env = mpirun_env(network, tmp_path)
+    sh = 'set -- "$@" --lr $(case $(hostname) in node1) echo 0.4;; *) echo 0.5;; esac)'
+    run = mpirun_job(network, tmp_path, env, "bynode", *common_args(data_dir), "--check", sh=sh,
+                     placement=["--map-by", "node"])  # fmt: skip
+    (result,) = finish_all([run], MPI_SECONDS)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode != 0 and said, describe([result])
+    for line in said:
+        assert re.fullmatch(
+            r"error: the machines disagree on --lr: machine 0 \(node0\) has --lr 0\.5; "
+            r"rank [13] \(node1\) has --lr 0\.4: use the same --lr on every machine",
+            line,
+        ), describe([result])
+    assert_namespaces_empty(network)
+
+
+STOPPED_TIMEOUT = 20  # machine 1's --timeout while machine 0 is stopped
+
+
+def socket_held(pid):
+    """Whether the process holds a socket: machine 0's first is its rendezvous port's."""
+    with contextlib.suppress(OSError):
+        return any(
+            os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd")
+        )
+    return False
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("hosts", ["one host", "two hosts"])
+@pytest.mark.parametrize("stopped", ["bound", "serving"])
+def test_a_machine_0_stopped_as_it_starts_freezes_no_other_machine(
+    network, data_dir, tmp_path, hosts, stopped
+):
+    """Machine 0 listened from its start, long before its store served: machine 1 connected, and TCPStore's
+    client waited in C++ for an answer, deaf to Ctrl-C, SIGTERM and --timeout; with machine 0 stopped
+    (SIGSTOP) there, machine 1 ran till killed. Now machine 0's port refuses connections till its store
+    serves, and machine 1 waits for the store in Python. Machine 0 stopped once its port is bound, or once its
+    store serves: machine 1 stops by itself with one line at --timeout, and at once on Ctrl-C (sent once it
+    says it waits: a loaded host's import of torch, where Ctrl-C is Python's traceback, took 8 s)."""
+    port, addr = random_port(), "node0" if hosts == "two hosts" else "127.0.0.1"
+    env, ns1 = env_without_interface(), network.ns_b if hosts == "two hosts" else network.ns_a
+
+    def argv(machine, timeout):
+        return [sys.executable, SCRIPT, "--num-machines", 2, "--machine-id", machine, "--master-addr", addr,
+                "--master-port", port, "--check", "--timeout", timeout]  # fmt: skip
+
+    machine0 = Machine("machine0", network.ns_a, argv(0, 120), env, tmp_path, "node0")
+    try:
+        deadline = time.monotonic() + 60
+        while not (socket_held(machine0.proc.pid) if stopped == "bound" else "waiting for machine 1" in
+                   machine0.out.read_text()):  # fmt: skip
+            assert machine0.proc.poll() is None and time.monotonic() < deadline, describe([machine0.result()])
+            time.sleep(0.05)
+        time.sleep(0.5 if stopped == "bound" else 0)  # its first socket: bound within microseconds
+        os.killpg(machine0.proc.pid, signal.SIGSTOP)
+        timed = Machine("timed", ns1, argv(1, STOPPED_TIMEOUT), env, tmp_path, "node1")
+        stopped_by_hand = Machine("ctrl-c", ns1, argv(1, 120), env, tmp_path, "node1")
+        wait_for_text(stopped_by_hand, "Waiting for machine 0 at ", 60)  # waiting, not importing torch
+        time.sleep(max(0, 8 - (time.monotonic() - stopped_by_hand.start)))
+        os.killpg(stopped_by_hand.proc.pid, signal.SIGINT)
+        (by_hand,) = finish_all([stopped_by_hand], 10)
+        (result,) = finish_all([timed], 60 - (time.monotonic() - timed.start))  # its own line, by 60 s
+    finally:
+        os.killpg(machine0.proc.pid, signal.SIGKILL)
+        os.killpg(machine0.proc.pid, signal.SIGCONT)
+    errors = by_hand.stderr.splitlines()
+    assert by_hand.returncode == 130 and errors in ([], ["Interrupted: every process of this launch stopped"])
+    errors = result.stderr.splitlines()
+    assert result.returncode == 1 and len(errors) == 1, describe([result])
+    assert errors[0].startswith("error: rank 1: ") and f"within --timeout {STOPPED_TIMEOUT} s" in errors[0]
+    assert "--master-port" not in errors[0] or stopped == "bound", errors  # not blamed on the port

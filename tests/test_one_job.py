@@ -2,9 +2,12 @@
 machines whose data or script differ, and a stranger who writes into the rendezvous store. Each job that can
 train trains; each launch that cannot stops within seconds with one line, and nothing is left running."""
 
+import ast
 import datetime
+import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,13 +36,14 @@ def store_of(port, key, proc, within=WITHIN):
     """A client of the store a launch serves on port, once its rank 0 has written key there."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline and proc.poll() is None:
-        try:
+        try:  # refused until the store listens: TCPStore's client would back off for seconds
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
             store = dist.TCPStore(
                 "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=within)
             )
             store.wait([key], datetime.timedelta(seconds=max(1, deadline - time.monotonic())))
             return store
-        except (RuntimeError, dist.DistError):
+        except (OSError, RuntimeError):
             time.sleep(0.2)
     pytest.fail(f"no {key!r} in the store of the launch on port {port}")
 
@@ -248,18 +252,22 @@ def test_file_flags_written_into_the_store_steer_no_file(data_dir, tmp_path):
     assert "Resuming" not in results[0].stdout  # machine 1 did not take the forged --resume
 
 
-def test_the_port_stays_held_from_the_claim_until_the_store_serves(clean_env):
+def test_the_port_is_held_from_the_claim_but_refuses_connections_till_the_store_serves(clean_env):
     """The launcher checked the port, then let it go until rank 0's store bound it: a program taking it then
-    cost a 10 s wait, or exit 1 with no line. Now the claimed socket listens until TCPStore takes over."""
+    cost a 10 s wait, or exit 1 with no line. Then it listened from the claim on, and machine 1, connected
+    long before the store served, waited in C++, deaf to signals. Now the claimed socket is bound, not
+    listening: no other program binds it, a connection is refused (machine 1 waits in Python), and TCPStore
+    serves on it."""
     args = convnet_distributed.parse_args(["--master-port", str(free_port())])
     listener, port = convnet_distributed.claim_port(args)
     assert port == args.master_port
     try:
         with socket.socket() as other, pytest.raises(OSError):
-            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             other.bind(("127.0.0.1", args.master_port))
-        with convnet_distributed.rendezvous(0, True, args, listener) as options:
-            store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, **options)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", args.master_port), timeout=5).close()
+        connect = functools.partial(dist.TCPStore, "127.0.0.1", args.master_port, 1, True)
+        store = convnet_distributed.rendezvous(0, True, args, listener, connect)
         store.set("served", "yes")
         assert store.get("served") == b"yes"
     finally:
@@ -327,3 +335,129 @@ def test_the_abort_watcher_sees_an_abort_while_the_set_up_waits_in_the_store(tmp
                             capture_output=True, text=True, timeout=90, env=script_env())  # fmt: skip
     assert result.returncode == 1 and result.stderr == "error: rank 0: the line of the process that failed\n"
     assert time.monotonic() - start < 20  # the get would wait --timeout, 60 s
+
+
+def test_the_ready_list_of_a_job_of_16384_ranks_is_accepted(clean_env):
+    """2,048 nodes x 8 GPUs: "ready", 98 KB, was over from_json's cap of 64 KiB, taken for a stranger's
+    value, and every rank stopped."""
+    args = convnet_distributed.parse_args(["--num-machines", "2048", "--num-processes", "8", "--master-port",
+                                           str(free_port()), "--timeout", "10"])  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, wait_for_workers=False)
+    record = convnet_distributed.roll_call_record(0, 16384, args)
+    store.set("job", json.dumps(dict(record, address="127.0.0.1")))
+    addresses = [f"10.0.{m // 256}.{m % 256}" for m in range(2048)]
+    store.set("ready", json.dumps([[r // 8 for r in range(16384)], addresses]))
+    assert len(store.get("ready")) > 1 << 16
+    found = convnet_distributed.roll_call(store, 5, 16384, args)  # rank 5, machine 0's sixth process
+    assert found == dict(machine_id=0, num_machines=2048, machine_sizes=[8] * 2048, addresses=addresses)
+
+
+@pytest.mark.timeout(WITHIN + 120)
+def test_a_machine_that_stops_after_the_roll_call_is_one_line_on_machine_0(data_dir):
+    """Machine 1 killed once the roll call said "ready": machine 0 waited in the store for its address and
+    ended in a DistStoreError traceback after --timeout. Now it names the machine it waited for."""
+    port, timeout = free_port(), 10
+    machines = [job(data_dir, "--check", processes=1, machines=2, machine=m, port=port, timeout=timeout)
+                for m in (0, 1)]  # fmt: skip
+    store = store_of(port, "rank/1", machines[0])
+    os.killpg(machines[1].pid, signal.SIGSTOP)  # before it reads "ready": it never says where it is
+    store.wait(["ready"], datetime.timedelta(seconds=WITHIN))
+    os.killpg(machines[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    (line,) = single_lines([finish(machines[0], timeout=WITHIN + timeout)])
+    assert line == (
+        f"error: rank 0: machine 1 sent nothing within --timeout {timeout} s: it stopped after joining "
+        "(see its output)"
+    )
+    assert time.monotonic() - start < timeout + 10
+    assert left_running(machines[0].pid) == []
+
+
+CHANGED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import convnet_distributed as script
+{change}
+try:
+    script.main(sys.argv[2:])
+except BaseException as e:
+    script.exit_at_once(e)
+script.exit_at_once()
+"""
+
+
+def changed_job(tmp_path, change, *args):
+    """A launch of the script as the change (Python, run after the script is imported) makes it."""
+    program = tmp_path / "changed.py"
+    program.write_text(CHANGED.format(change=change))
+    return launch(program, REPO, *args)
+
+
+STRANGER = """
+class Payload:  # unpickled, it writes a file
+    def __reduce__(self):
+        return open, ({marker!r}, "w")
+
+def check_same_data(*args):  # machine 1's data digests, offered as a pickle
+    dist.all_gather_object([None] * dist.get_world_size(), Payload())
+
+script.check_same_data = check_same_data
+"""
+
+
+def test_a_stranger_in_machine_1s_place_runs_no_code_on_machine_0(data_dir, tmp_path):
+    """A program that takes machine 1's rank in the store (its record as rank 0's: the script's own code) and
+    offers a pickle as machine 1's data digests: rank 0 unpickled it (all_gather_object), running the
+    stranger's code. Now no machine unpickles what another sends: no file is written, and machine 0 stops
+    with one line."""
+    port, marker, timeout = free_port(), tmp_path / "written", 20
+    machine0 = job(data_dir, processes=1, machines=2, machine=0, port=port, timeout=timeout)
+    stranger = changed_job(tmp_path, STRANGER.format(marker=str(marker)), "--data-dir", data_dir,
+                           "--batch-size", 64, "--num-machines", 2, "--machine-id", 1, "--master-port", port,
+                           "--timeout", timeout)  # fmt: skip
+    result = finish(machine0, timeout=timeout + WITHIN + 30)
+    finish(stranger, timeout=30)
+    assert not marker.exists()
+    single_lines([result])  # the stranger's rank took no part: rank 0 waited --timeout for it
+    assert left_running(machine0.pid) == []
+
+
+def test_no_object_collective_takes_what_another_rank_sends():
+    """An object collective unpickles what its senders sent: only rank 0 may send one, which every rank
+    trusts already (it serves the store). Tensors carry anything another rank sends."""
+    for script in ("convnet_distributed.py", "convnet_distributed_cuda.py", "convnet_undistributed.py"):
+        with open(os.path.join(REPO, script)) as f:
+            tree = ast.parse(f.read())
+        for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+            name = getattr(call.func, "attr", getattr(call.func, "id", ""))
+            if name.endswith(("_object", "_object_list")):
+                src = {k.arg: k.value for k in call.keywords}.get("src")
+                where = f"{script}:{call.lineno}: {name}"
+                assert name == "broadcast_object_list", where
+                assert isinstance(src, ast.Constant) and src.value == 0, f"{where}: not src=0"
+
+
+LATE = """
+import time
+reach = script.reach_every_machine
+def late(*args):  # as a slow resolver made it: resolve() ran again just before the check
+    time.sleep(20)
+    reach(*args)
+script.reach_every_machine = late
+"""
+
+
+@pytest.mark.timeout(3 * WITHIN + 120)
+def test_machines_that_come_to_the_reachability_check_20_s_apart_train(data_dir, tmp_path):
+    """Machine 0 waited 10 s for the others at the reachability check, then closed its listener: machine 1,
+    20 s late, stopped the job with "cannot reach machine 0 ... open all TCP ports". Now each waits as long
+    as the roll call does (--timeout), and the job trains."""
+    port, metrics = free_port(), tmp_path / "m.json"
+    machine0 = job(data_dir, "--metrics-json", metrics, machines=2, port=port, timeout=TIMEOUT)
+    machine1 = changed_job(tmp_path, LATE, "--data-dir", data_dir, "--num-processes", 2, "--batch-size", 32,
+                           "--num-machines", 2, "--machine-id", 1, "--master-port", port,
+                           "--timeout", TIMEOUT, "--log-interval", 1)  # fmt: skip
+    results, _ = run_together([machine0, machine1])
+    assert [r.returncode for r in results] == [0, 0] and [r.stderr for r in results] == ["", ""], results
+    assert read_json(metrics)["world_size"] == 4

@@ -268,7 +268,7 @@ def torchrun(*args, script_args=()):
 def test_torchrun_launch_joins_its_group_and_matches_the_scripts_own_launch(data_dir, tmp_path):
     """Under torchrun the script does not spawn: it joins the group torchrun made, with torchrun's ranks,
     and trains exactly as its own launch of the same world size does."""
-    common = ["--batch-size", 64, "--data-dir", data_dir, "--seed", 3]
+    common = ["--batch-size", 64, "--data-dir", data_dir, "--seed", 3, "--threads", 1]  # both: the same sums
     proc = torchrun(
         "--nproc-per-node",
         2,
@@ -278,14 +278,12 @@ def test_torchrun_launch_joins_its_group_and_matches_the_scripts_own_launch(data
     )
     under_torchrun = finish(proc, 180)
     m = check_run(under_torchrun, tmp_path / "torchrun.json", 2, 64)
-    assert m["threads"] == 1  # torchrun sets OMP_NUM_THREADS=1 for several processes, and it is respected
+    assert m["threads"] == 1
     own = run_script(
         "convnet_distributed.py",
         *common,
         "--num-processes",
         2,
-        "--threads",
-        1,
         "--master-port",
         free_port(),
         "--metrics-json",
@@ -308,8 +306,6 @@ def test_torchrun_restarts_a_killed_rank_and_the_group_resumes_from_the_checkpoi
         *common,
         "--num-processes",
         2,
-        "--threads",
-        1,
         "--master-port",
         free_port(),
         "--metrics-json",
