@@ -319,7 +319,7 @@ def test_a_port_taken_is_named_by_its_cause_and_no_port_is_offered_only_where_it
         ({}, ["--num-processes", "2"], "this machine started them too slowly: raise --timeout"),
         (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"), [],
          "the launcher (torchrun) started them all: see its output for the others"),
-        (dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0"), [],
+        (dict(MAP_BY_NODE, OMPI_COMM_WORLD_RANK="0", MASTER_ADDR="127.0.0.1"), [],
          "the launcher (Open MPI) started them all: see its output for the others"),
     ],
 )  # fmt: skip
@@ -328,7 +328,8 @@ def test_the_roll_calls_timeout_says_what_to_do_for_each_way_of_starting(
 ):
     """It told torchrun and mpirun users, and one-machine jobs, to "start every machine"."""
     args, _ = layout(convnet_distributed, monkeypatch, env, ["--timeout", "1", *argv])
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    args.master_port = free_port()  # the roll call connects there: where this machine reaches machine 0
+    store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, wait_for_workers=False)
     with pytest.raises(SystemExit) as exit:
         convnet_distributed.roll_call(store, 0, args.world_size, args)
     line = f"error: only 1 of {args.world_size} processes joined within --timeout 1 s: {fix}"
