@@ -181,25 +181,16 @@ def evaluate(model, images, labels, rank, world_size, args):
 # Every process runs worker(): it joins the group and trains its own copy of the model on its shard;
 # DistributedDataParallel averages the gradients in backward(), so every copy takes the same step.
 def join_group(rank, world_size, args, listener=None):
-    """Join the process group over Gloo: every process of every machine meets at machine 0."""
+    """Join the process group over Gloo: every process of every machine meets at machine 0's store."""
     # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
-    # process connects, as init_method="env://" would.
+    # process connects to it, as init_method="env://" would.
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-
-    def connect(**options):  # in rendezvous()'s thread: waiting for machine 0 hears signals
-        return dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
-
-    store = rendezvous(rank, is_master, args, listener, connect)
-    if args.launcher == "torchrun":  # its store outlives a restart: each attempt's keys apart
-        store = dist.PrefixStore(torchrun_attempt(), store)
-    # One job, one decision: every process checks in, or all stop.
-    job = job_record(args, **roll_call(store, rank, world_size, args))
-    choose_gloo_interface(store, rank, world_size, job)  # where the other machines reach this one
-    with exit_on_abort(store, rank, job):  # a failure: one line on every machine, not Gloo's C++ log
-        reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
+    with rendezvous(rank, is_master, args, listener) as options:  # a failure: one line on every machine
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+        store, job = roll_call(store, rank, world_size, args)  # every process checks in, or all stop
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return job_record(job, **rank0_files(job))  # every rank follows rank 0's files
+    return with_rank0s_files(job)  # every rank follows rank 0's files
 
 
 def data_parallel(model, rank, world_size, args):
@@ -245,7 +236,6 @@ def worker(local_rank, args, data, listener=None):
         exit_if_contact_lost(e, rank, job)  # a lost peer: one line, not a traceback
         raise
     finally:
-        GROUPS_KEPT.append(dist.group.WORLD)  # never freed: its destructor can deadlock (docs/compat.md)
         dist.destroy_process_group()
 
 
@@ -336,17 +326,19 @@ def placement(args, local_rank):
 # ---- M2. Network interfaces: where Gloo listens ------------------------------------------------------------
 
 
-def choose_gloo_interface(store, rank, world_size, args):
+def prepare_backend(store, rank, world_size, args):
     """Point Gloo, unauthenticated, at loopback on one machine, else at the interface the others reach."""
-    count, name, listed = placement(args, 0)[2], getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
+    count = placement(args, 0)[2]
     spans = world_size > count
+    name = getenv("GLOO_SOCKET_IFNAME")
+    listed = interface_addresses()
     found = listed or ({"lo0": ["127.0.0.1"]} if sys.platform == "darwin" else {})
-    if spans:  # the near end of a connection to machine 0: an address the others reach
-        address, far = resolve(args, rank, connect=True)
-        store.set(f"far/{args.machine_id}", far)
+    if spans:  # machine 0 learns from the others where they reach it
+        store.set(f"far/{args.machine_id}", args.machine0_address)
     if not name and not spans:
         name = next((n for n, on in found.items() if on and is_loopback(on[0])), None)
     elif not name and listed is not None:
+        address = args.own_address  # the near end of a connection to machine 0: the others reach it
         if is_loopback(address):  # machine 0, by a name on loopback: where machine 1 reached it
             try:
                 raw = wait_for_key(store, rank, args, "far/1", "machine 1")
@@ -362,7 +354,7 @@ def choose_gloo_interface(store, rank, world_size, args):
     if name:
         os.environ["GLOO_SOCKET_IFNAME"] = name
         address = found.get(name.split(",")[0], ["its address"])[0]
-    else:  # Gloo's own choice: the host name's first address, else loopback
+    else:  # Gloo makes its own choice: the host name's first address, else loopback
         name, address = "the host name's interface", "127.0.0.1"
         with contextlib.suppress(OSError):
             address = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
@@ -371,34 +363,41 @@ def choose_gloo_interface(store, rank, world_size, args):
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
     if local_rank_of(rank, args) == 0:
         store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
-    for machine in range(args.num_machines) if rank == 0 and (spans or args.check) else ():
+    if rank == 0 and (spans or args.check):
+        say_where_gloo_listens(store, rank, args)
+
+
+def say_where_gloo_listens(store, rank, args):
+    """Rank 0 names each machine's host, its processes, and the interface and address its Gloo listens on."""
+    for machine in range(args.num_machines):
         raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
         try:
             host, n, on, at = from_json(raw)
         except (TypeError, ValueError):
             abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-        print0(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}")
-    return address
+        print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
 def check_gloo_socket_ifname():
     """One line, not Gloo's C++ exception."""
-    name, found = getenv("GLOO_SOCKET_IFNAME"), interface_addresses()
-    for one in name.split(",") if name and found is not None else ():  # not listed: Gloo will say
-        if not found.get(one):
-            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
-            line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
-            sys.exit(f"{line}: name one of {have}, on each machine its own")
+    name = getenv("GLOO_SOCKET_IFNAME")
+    found = interface_addresses()
+    if name and found is not None:  # where nothing is listed, Gloo will say
+        for one in name.split(","):
+            if not found.get(one):
+                have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
+                line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
+                sys.exit(f"{line}: name one of {have}, on each machine its own")
 
 
 def interface_addresses():
     """{interface or alias label: addresses, IPv4 first as Gloo takes them}; None where none are listed."""
-    head, found = ctypes.c_void_p(), {}
-    with contextlib.suppress(OSError):  # no glibc: macOS, Windows
+    head, found = ctypes.c_void_p(), {}  # the list getifaddrs makes, and what it holds
+    with contextlib.suppress(OSError):  # macOS and Windows have no glibc
         libc = ctypes.CDLL("libc.so.6")
-        if libc.getifaddrs(ctypes.byref(head)) == 0:  # -1 where a sandbox blocks netlink
+        if libc.getifaddrs(ctypes.byref(head)) == 0:  # it fails (-1) where a sandbox blocks netlink
             at = head.value
-            while at:  # struct ifaddrs: next, name, flags (a pointer's room), struct sockaddr *
+            while at:  # struct ifaddrs starts: next, name, flags (a pointer's room), struct sockaddr *
                 at, name, _, sockaddr = (ctypes.c_void_p * 4).from_address(at)
                 held = found.setdefault(ctypes.string_at(name).decode(), [])
                 family = sockaddr and ctypes.c_ushort.from_address(sockaddr).value
@@ -515,7 +514,7 @@ def gradient_shortfall(model, world_size, failed=False):
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
 # where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
 # DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
-# averaging_words and worker.
+# prepare_backend, averaging_words and worker.
 # ============================================================================================================
 
 
@@ -620,27 +619,72 @@ def parse_args(argv=None):
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
 
 
-def rendezvous(rank, is_master, args, listener, connect):
-    """The store connect(**options) makes, rank 0 serving on claim_port's socket; waited for in Python."""
-    resolve(args, rank, connect=not is_master)
+@contextlib.contextmanager
+def rendezvous(rank, is_master, args, listener):
+    """Around the join: yields TCPStore's options, rank 0 serving on claim_port's socket. Every wait hears
+    signals and --timeout; abort_job's line stops this process within a second; a failure to connect is one
+    line on every machine, and the backend's C++ log of each try is held back till the group is made."""
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
-    if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0's: here
+    if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0 claims it
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
-    line, made = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}", []
+    if not is_master:  # machine 0's port refuses connections till its store serves
+        resolve(args, rank, connect=True)
+    own = {}  # the watcher's store client, or why it could not connect
+    done = threading.Event()
+    real = os.dup(2)
+    watcher = threading.Thread(target=watch_for_abort, args=(own, done, real, rank, args), daemon=True)
+    sys.stderr.flush()
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            watcher.start()
+            try:
+                if not is_master:  # once its own client is made, the story's connects at once
+                    wait_for_machine0(own, rank, args)
+                yield options
+            finally:
+                done.set()
+                watcher.join(5 if "store" in own else 0)  # a watcher that saw the abort line ends the process
+                os.dup2(real, 2)
+            held.seek(0)
+            sys.stderr.buffer.write(held.read())
+            sys.stderr.flush()
+        GROUPS_KEPT.append(dist.group.WORLD)  # never freed: its destructor can deadlock (docs/compat.md)
+    except RuntimeError as e:
+        line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
+        abort_job(own.get("store"), rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
+    finally:
+        os.close(real)
 
-    def make():  # in a thread: a client of a stopped machine 0 waits in C++, deaf to signals
-        try:
-            made.append(connect(**options))
-        except (dist.DistError, OSError) as e:
-            made.append(f"{line} went away ({last_line(e)}): see its output")
 
-    threading.Thread(target=make, daemon=True).start()
+def wait_for_machine0(own, rank, args):
+    """Waits in Python for the watcher's client: one of a machine 0 stopped after it listens waits in C++,
+    deaf to signals and to its own timeout."""
+    line = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}"
     for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
-        if made:
-            return sys.exit(made[0]) if isinstance(made[0], str) else made[0]
+        if "store" in own:
+            return
+        if "error" in own:
+            sys.exit(f"{line} went away ({last_line(own['error'])}): see its output")
     sys.exit(f"{line} did not answer within --timeout {args.timeout:g} s: it is stopped or hangs")
+
+
+def watch_for_abort(own, done, real, rank, args):
+    """In a thread: a store client of this process's own (the backend may block its client in a call), then a
+    look every 0.5 s for abort_job's line, which stops this process."""
+    timeout = timedelta(seconds=args.timeout)
+    try:
+        own["store"] = attempt_store(dist.TCPStore(args.master_addr, args.master_port, timeout=timeout), args)
+    except (dist.DistError, OSError) as e:  # machine 0 went away
+        own["error"] = e
+    with contextlib.suppress(RuntimeError, KeyError):  # machine 0 went: the backend will say so itself
+        while not done.wait(0.5):
+            if own["store"].check(["abort"]):
+                os.dup2(real, 2)
+                line = own["store"].get("abort").decode(errors="replace").strip()[:2000]
+                abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit would end the thread alone
 
 
 def claim_port(args, listener=None, serve=False):
@@ -648,12 +692,12 @@ def claim_port(args, listener=None, serve=False):
     launches, refusing connections (machine 1 waits in Python) till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
-    hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
-    # The store is unauthenticated: a one-machine job serves it on loopback (IPv4: ::1 may be off).
-    one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
     try:
-        host = min(hosts, key=lambda h: ":" in h) if one_host else ""
-        listener = listener or listening(args.master_port, host, listen=False)
+        if listener is None:  # the store is unauthenticated: a one-machine job serves it on loopback
+            hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
+            one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
+            host = min(hosts, key=lambda h: ":" in h) if one_host else ""  # IPv4 first: ::1 may be off
+            listener = listening(args.master_port, host, listen=False)
         if serve:  # bound by another launch too (SO_REUSEADDR): the first to listen holds it
             listener.listen()
     except OSError as e:
@@ -684,7 +728,8 @@ def listening(port, host="", listen=True):
 
 def machine0_twice(args):
     """Stops every launch where the port's holder is this job's machine 0 from another launch."""
-    me, found = roll_call_record(0, placement(args, 0)[1], args), []
+    me = roll_call_record(0, placement(args, 0)[1], args)
+    found = []
 
     def ask():  # in a thread: TCPStore waits forever on a server that never answers
         with contextlib.suppress(RuntimeError, ValueError):
@@ -745,8 +790,10 @@ def is_loopback(address):
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
-def torchrun_attempt():
-    return f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+def attempt_store(store, args):
+    """Under torchrun, whose store outlives a restart, the store with this attempt's keys apart."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    return dist.PrefixStore(f"attempt-{restart}/", store) if args.launcher == "torchrun" else store
 
 
 # ---- S3. The roll call: one job, one decision --------------------------------------------------------------
@@ -767,88 +814,115 @@ def job_record(args, **decided):
 
 
 def roll_call(store, rank, world_size, args):
-    """Every process checks in under its rank; rank 0 counts the machines and says "ready", or all stop."""
-    me, where = roll_call_record(rank, world_size, args), f"{args.master_addr}:{args.master_port}"
+    """Every process checks in, and rank 0 counts the machines, or all stop; then the backend is prepared and
+    every machine reaches the others. The store the job uses, and its record: args and what was decided."""
+    store = attempt_store(store, args)
+    me = roll_call_record(rank, world_size, args)
     me["address"], far = resolve(args, rank, connect=True)  # where the others reach us; where we reach 0
-    mine, keys = json.dumps(me), [f"rank/{r}" for r in range(world_size)]
-
-    def stop(line):  # every process, until the job is ready; then this one alone
-        abort_job(None if store.check(["ready"]) else store, rank, args, line)
-
-    def read(raw):  # the store is unauthenticated
-        if is_record(found := from_json(raw)):
-            return found
-        if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
-            line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
-            stop(f"error: {line}: copy one script to every machine")
-        stop(bad_value(rank, "a record", raw, args))
-
-    def waiting_for():  # rank 0 names the missing: machines where the layout tells (by hand), else ranks
+    mine = json.dumps(me)
+    try:
+        job = me  # rank 0's record is the job's
         if rank != 0:
-            return f"Waiting for all {world_size} processes to join at {where}"
+            job = read_record(store, rank, args, wait_for_key(store, rank, args, "job", "rank 0"), me)
+        check_one_job(store, rank, args, job, me)
+        keys = ["job", "rank/0"] if rank == 0 else [f"rank/{rank}"]  # "job" first: a second rank 0 finds it
+        for key in keys:
+            if (held := store.compare_set(key, "", mine)) != mine.encode():
+                first = read_record(store, rank, args, held, me)
+                stop_roll_call(store, rank, args, claimed_twice(rank, first, me, args))
+        machines = wait_for_ready(store, rank, world_size, args, me, far)
+    except dist.DistError as e:  # rank 0 gave up, or its machine went away
+        abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
+    job = job_record(args, **machines, own_address=me["address"], machine0_address=far)
+    prepare_backend(store, rank, world_size, job)  # where the other machines reach this one
+    reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
+    return store, job
+
+
+def check_one_job(store, rank, args, job, me):
+    """Stops where machine 0's record is another job's (this process alone) or has other flags (every one)."""
+    facts = job["job"], me["job"]
+    differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
+    theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
+    if "model" in differ:  # name its first parameter that differs
+        pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
+        theirs, ours = next(p for p in pairs if p[0] != p[1])
+    this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
+    sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
+    # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
+    another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
+    if job["launcher"] != args.launcher or another:
+        line = f"{args.master_addr}:{args.master_port} is another job's rendezvous"
+        line += f" ({sides})" * bool(differ)
+        abort_job(None, rank, args, f"error: {line}: choose another --master-port")
+    if differ:
+        flags = ", ".join(map(flag_words, differ))
+        fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
+        line = f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine"
+        stop_roll_call(store, rank, args, line)
+
+
+def wait_for_ready(store, rank, world_size, args, me, far):
+    """Rank 0's "ready", written once all have checked in: each rank's machine and each machine's address."""
+    keys = [f"rank/{r}" for r in range(world_size)]
+
+    def progress():  # rank 0 names the missing: machines where the layout tells them (by hand), else ranks
+        if rank != 0:
+            return f"Waiting for all {world_size} processes to join at {args.master_addr}:{args.master_port}"
         gone = [r for r, key in enumerate(keys) if not store.check([key])]
         who = [*dict.fromkeys(r // placement(args, 0)[2] if args.rank is None else r for r in gone)]
         kind = ("machine" if args.rank is None else "rank") + "s" * (len(who) > 1)
-        who = ", ".join(map(str, who[:8])) + ", ..." * (len(who) > 8)
-        return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {who}"
+        names = ", ".join(map(str, who[:8])) + ", ..." * (len(who) > 8)
+        return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {names}"
 
-    try:
-        job = me if rank == 0 else read(wait_for_key(store, rank, args, "job", "rank 0"))
-        facts = job["job"], me["job"]
-        differ = [k for k in JOB_FLAGS if k in facts[0] and k in facts[1] and facts[0][k] != facts[1][k]]
-        theirs, ours = (", ".join(flag_words(k, f[k]) for k in differ) for f in facts)
-        if "model" in differ:  # its first parameter that differs
-            pairs = itertools.zip_longest(*(f["model"] for f in facts), fillvalue="none")
-            theirs, ours = next(p for p in pairs if p[0] != p[1])
-        this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
-        sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
-        # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
-        another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
-        if job["launcher"] != args.launcher or another:
-            line = f"{where} is another job's rendezvous" + f" ({sides})" * bool(differ)
-            abort_job(None, rank, args, f"error: {line}: choose another --master-port")
-        if differ:
-            flags = ", ".join(map(flag_words, differ))
-            fix = "script and torch version" if {"torch", "model", "backend"} & {*differ} else flags
-            stop(f"error: the machines disagree on {flags}: {sides}: use the same {fix} on every machine")
-        # "job" before "rank/0": a second rank 0 finds the first there.
-        for key in ("job", "rank/0") if rank == 0 else (keys[rank],):
-            if (held := store.compare_set(key, "", mine)) != mine.encode():
-                stop(claimed_twice(rank, read(held), me, args))
-        for _ in waiting(rank, args, waiting_for, None if rank == 0 else float("inf")):
-            if store.check(["ready"]):
-                break
-            if store.check(["abort"]):
-                abort_job(None, rank, args, store.get("abort").decode(errors="replace").strip()[:2000])
-            if rank == 0 and store.check(keys):
-                store.set("ready", json.dumps(count_machines([read(store.get(key)) for key in keys], args)))
-        else:  # rank 0 alone: the others wait for its word
-            n, by, joined = args.num_machines, args.launcher, sum(store.check([k]) for k in keys)
+    for _ in waiting(rank, args, progress, float("inf") if rank else None):
+        if store.check(["ready"]):
+            break
+        if rank == 0 and store.check(keys):
+            records = [read_record(store, rank, args, store.get(key), me) for key in keys]
+            store.set("ready", json.dumps(count_machines(records, args)))
+    else:  # rank 0 alone: the others wait for its word
+        if args.launcher:
+            fix = f"the launcher ({args.launcher}) started them all: see its output for the others"
+        elif (n := args.num_machines) > 1:
             fix = f"start every machine (--num-machines {n}) with one --master-addr and --master-port"
-            fix = fix if n > 1 else "this machine started them too slowly: raise --timeout"
-            fix = f"the launcher ({by}) started them all: see its output for the others" if by else fix
-            line = f"only {joined} of {world_size} processes joined within --timeout {args.timeout:g} s"
-            abort_job(store, rank, args, f"error: {line}: {fix}")
-        ready = store.get("ready")
-    except dist.DistError as e:  # rank 0 gave up, or its machine went away
-        abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    index, ok = {}, False  # as count_machines numbers them: in the order of their first rank
-    with contextlib.suppress(TypeError, ValueError):  # else not [each rank's machine, each machine's address]
+        else:
+            fix = "this machine started them too slowly: raise --timeout"
+        line = f"only {sum(store.check([k]) for k in keys)} of {world_size} processes joined within --timeout"
+        abort_job(store, rank, args, f"error: {line} {args.timeout:g} s: {fix}")
+    ready = store.get("ready")
+    with contextlib.suppress(TypeError, ValueError):  # else another program wrote "ready"
         machine_of, addresses = from_json(ready)  # machine 0 on loopback (Debian's name): where we reached it
         addresses = [far if is_loopback(a) else str(ipaddress.ip_address(a)) for a in addresses]
-        ok = len(machine_of) == world_size and len(addresses) == len(set(machine_of))
-    if not (ok and all(type(m) is int and index.setdefault(m, len(index)) == m for m in machine_of)):
-        abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
-    sizes = [machine_of.count(m) for m in index]
-    return dict(
-        machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=addresses
-    )
+        numbered = list(dict.fromkeys(machine_of)) == list(range(len(addresses)))  # in order of first rank
+        if len(machine_of) == world_size and numbered and all(type(m) is int for m in machine_of):
+            sizes = [machine_of.count(m) for m in range(len(addresses))]
+            return dict(
+                machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=addresses
+            )
+    abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
+
+
+def stop_roll_call(store, rank, args, line):
+    """Stops every process with line until the job is ready; then this one alone."""
+    abort_job(None if store.check(["ready"]) else store, rank, args, line)
+
+
+def read_record(store, rank, args, raw, me):
+    """A roll call record, read from the store, which is unauthenticated: else the job stops."""
+    found = from_json(raw)
+    if is_record(found):
+        return found
+    if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
+        line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
+        stop_roll_call(store, rank, args, f"error: {line}: copy one script to every machine")
+    stop_roll_call(store, rank, args, bad_value(rank, "a record", raw, args))
 
 
 def roll_call_record(rank, world_size, args):
     layout = JOB_FLAGS[1:4] if args.rank is not None else ()  # a launcher's may vary processes per machine
     job = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
-    with torch.device("meta"):  # names and shapes only: no memory, no random numbers drawn
+    with torch.device("meta"):  # meta tensors hold names and shapes only: no memory, no random numbers
         job["model"] = [f"{n} {list(p.shape)}" for n, p in ConvNet().named_parameters()]
     job.update(world_size=world_size, torch=torch.__version__.split("+")[0], backend=f"{BACKEND} ({SCRIPT})")
     box = socket.gethostname()  # under MPI, host names may repeat: the boot and network namespace tell apart
@@ -885,22 +959,23 @@ def flag_words(key, value=True):
 
 def count_machines(records, args):
     """Each rank's machine (by --machine-id, a launcher's, or host), and each machine's address; warns."""
-    key, index = "box" if args.by_host else "machine", {}
+    key = "box" if args.by_host else "machine"
+    index = {}
     machine_of = [index.setdefault(r[key], len(index)) for r in records]
     for m in sorted({m for m, r in zip(machine_of, records) if r["script"] != records[0]["script"]}):
         print(f"warning: machine {m} runs another {SCRIPT}: copy one script to all machines", file=sys.stderr)
     return machine_of, [records[machine_of.index(m)]["address"] for m in range(len(index))]
 
 
-def rank0_files(args):
-    """Rank 0's file flags, for the others to follow; another machine's own go unused, said once."""
+def with_rank0s_files(args):
+    """args with rank 0's file flags, for the others to follow; another machine's own go unused, said once."""
     said = [{k: getattr(args, k) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
     unused = ", ".join(flag_words(k, v) for k in RANK0_FLAGS if (v := getattr(args, k)) and v != said[0][k])
     if unused and args.machine_id != 0 and local_rank_of(dist.get_rank(), args) == 0:
         line = f"machine {args.machine_id}: {unused} not used here: machine 0's command names the files"
         print(f"warning: {line}", file=sys.stderr)
-    return {} if dist.get_rank() == 0 else {k: bool(v) for k, v in said[0].items()}
+    return args if dist.get_rank() == 0 else job_record(args, **{k: bool(v) for k, v in said[0].items()})
 
 
 def claimed_twice(rank, first, second, args):
@@ -926,9 +1001,12 @@ def check_same_data(data, rank, device, args):
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
 
+PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the reachability check
+
 
 def abort_job(store, rank, args, line, end=sys.exit):
     """Stops with line, said once per machine; with store, every process of the job stops."""
+    line = printable(line)  # it may carry text from the store, which anyone may write
     if store is not None:
         with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it alone
             store.set("abort", line)
@@ -940,42 +1018,9 @@ def abort_job(store, rank, args, line, end=sys.exit):
     end(line)
 
 
-@contextlib.contextmanager
-def exit_on_abort(store, rank, args):
-    """Around a wait in C++: abort_job's line stops this process within a second; a failure to connect is one
-    line on every machine, and the backend's C++ log of each try is held back till then."""
-    done, real = threading.Event(), os.dup(2)
-
-    def watch():  # a store client of its own: the backend's may be blocked
-        with contextlib.suppress(RuntimeError):  # machine 0 went: the backend will say so itself
-            own = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
-            own = dist.PrefixStore(torchrun_attempt(), own) if args.launcher == "torchrun" else own
-            while not done.wait(0.5):
-                if own.check(["abort"]):
-                    os.dup2(real, 2)
-                    line = own.get("abort").decode(errors="replace").strip()[:2000]
-                    abort_job(None, rank, args, line, end=exit_at_once)  # sys.exit ends a thread alone
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    sys.stderr.flush()
-    try:
-        with tempfile.TemporaryFile() as held:
-            os.dup2(held.fileno(), 2)
-            watcher.start()
-            try:
-                yield
-            finally:
-                done.set()
-                watcher.join(5)
-                os.dup2(real, 2)
-            held.seek(0)
-            sys.stderr.buffer.write(held.read())
-            sys.stderr.flush()
-    except RuntimeError as e:
-        line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
-        abort_job(store, rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
-    finally:
-        os.close(real)
+def printable(text):
+    """text with its control characters escaped: a terminal shows them, and obeys none."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def local_rank_of(rank, args):
@@ -986,53 +1031,64 @@ def reach_every_machine(store, rank, args):
     """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
-    me, others = args.machine_id, [m for m in range(args.num_machines) if m != args.machine_id]
-    here, size = f"error: machine {me} ({socket.gethostname()})", 256 << 10  # size: a gradient bucket's
-    deadline = time.monotonic() + args.timeout  # machines that arrive apart meet
+    others = [m for m in range(args.num_machines) if m != args.machine_id]
+    # One wait, within --timeout, for both steps: machines that arrive apart meet.
+    wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
 
-    def serve():  # echoes each connection, once all is in; OSError: none within a second
+    def echo():  # sends each connection's bytes back once all are in, till the listener closes
         while listener.fileno() != -1:
             with contextlib.suppress(OSError), listener.accept()[0] as connection:
                 connection.settimeout(5)
-                connection.sendall(connection.makefile("rb").read(size))
-
-    def wait_for(key):  # every other machine's, hearing signals
-        while not store.check([f"{key}/{m}" for m in others]):
-            if time.monotonic() > deadline:
-                m = next(m for m in others if not store.check([f"{key}/{m}"]))
-                line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
-                abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
-            time.sleep(0.1)
+                connection.sendall(connection.makefile("rb").read(PROBE_SIZE))
 
     with listening(0) as listener:
-        listener.settimeout(1)
-        threading.Thread(target=serve, daemon=True).start()
-        store.set(f"probe/{me}", f"{listener.getsockname()[1]} {socket.gethostname()}")
-        try:
-            wait_for("probe")
+        listener.settimeout(1)  # accept() gives up after a second: the echo sees its listener closed
+        threading.Thread(target=echo, daemon=True).start()
+        store.set(f"probe/{args.machine_id}", f"{listener.getsockname()[1]} {socket.gethostname()}")
+        with contextlib.suppress(dist.DistError):  # the store went: the backend will say
+            wait_for_machines(store, rank, args, "probe", others, wait)
             for m in others:
-                value, address, back = store.get(f"probe/{m}"), args.addresses[m], b""
-                at, host = value.decode().split() if len(value) < 300 else ()
-                probe = socket.create_connection((address, port_number(at)), timeout=5)
-                with probe, contextlib.suppress(OSError):  # connected: now large packets alone can fail
-                    probe.sendall(bytes(size))
-                    back = probe.makefile("rb").read(size)
-                if len(back) != size:
-                    lost = f"{size >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
-                    fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
-                    abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
-            store.set(f"probed/{me}", "1")  # listening until the others have tried
-            wait_for("probed")
-        except dist.DistError:  # the store went: the backend will say
+                probe(store, rank, args, m)
+            store.set(f"probed/{args.machine_id}", "1")  # this machine listens until the others have tried
+            wait_for_machines(store, rank, args, "probed", others, wait)
+
+
+def wait_for_machines(store, rank, args, key, others, wait):
+    """Waits till every other machine m has written key/m; else stops the job."""
+    for _ in wait:
+        if store.check([f"{key}/{m}" for m in others]):
             return
-        except (ValueError, argparse.ArgumentTypeError):  # port_number's
-            abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
-        except OSError as e:
-            abort_job(store, rank, args, (
-                f"{here} cannot reach machine {m} ({host}) at "
-                f"{address} port {at} ({e.strerror or e}), though it reaches the rendezvous: open all TCP "
-                f"ports between the machines, or set {BACKEND.upper()}_SOCKET_IFNAME on each to the "
-                "interface that reaches them"))  # fmt: skip
+    m = next(m for m in others if not store.check([f"{key}/{m}"]))
+    here = f"error: machine {args.machine_id} ({socket.gethostname()})"
+    line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
+    abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
+
+
+def probe(store, rank, args, m):
+    """Sends PROBE_SIZE bytes to machine m at its roll call address: they must come back, or the job stops."""
+    value = store.get(f"probe/{m}")
+    address = args.addresses[m]
+    try:
+        at, host = value.decode().split() if len(value) < 300 else ()
+        port = port_number(at)
+    except (ValueError, argparse.ArgumentTypeError):  # port_number raises the second
+        abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
+    here = f"error: machine {args.machine_id} ({socket.gethostname()})"
+    try:
+        connection = socket.create_connection((address, port), timeout=5)
+    except OSError as e:
+        line = f"{here} cannot reach machine {m} ({host}) at {address} port {at} ({e.strerror or e})"
+        line += ", though it reaches the rendezvous: open all TCP ports between the machines, or set"
+        line += f" {BACKEND.upper()}_SOCKET_IFNAME on each to the interface that reaches them"
+        abort_job(store, rank, args, line)
+    back = b""
+    with connection, contextlib.suppress(OSError):  # connected: now large packets alone can fail
+        connection.sendall(bytes(PROBE_SIZE))
+        back = connection.makefile("rb").read(PROBE_SIZE)
+    if len(back) != PROBE_SIZE:
+        lost = f"{PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+        fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
+        abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
 
 
 # ---- S5. --check, and compression for slow links -----------------------------------------------------------

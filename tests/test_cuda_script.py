@@ -48,14 +48,14 @@ def worker_on_cpu(local_rank, args):
 
 
 def gpu_of_its_own(patch, index):
-    """What prepare_nccl asks of the GPU this process took: cuda:index, a GPU no other process has."""
+    """What prepare_backend asks of the GPU this process took: cuda:index, a GPU no other process has."""
     patch.setattr(torch.cuda, "current_device", lambda: index)
     patch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=f"GPU-{i}"))
 
 
 def spawned_worker_on_cpu(local_rank, args):
-    """A spawned rank ends as the script's own do (exit_at_once): the worker keeps its Gloo group to the exit
-    (worker), and tearing the interpreter down with it aborted about 1 run in 20 (SIGABRT)."""
+    """A spawned rank ends as the script's own do (exit_at_once): the Gloo group is kept to the exit
+    (rendezvous), and tearing the interpreter down with it aborted about 1 run in 20 (SIGABRT)."""
     worker_on_cpu(local_rank, args)
     cuda_script.exit_at_once()
 
@@ -79,7 +79,7 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
     if processes == 1:
         try:
             worker_on_cpu(0, args)
-        finally:  # free the group the worker kept for its exit (worker) now: pytest's process goes on
+        finally:  # free the group kept for its exit (rendezvous) now: pytest's process goes on
             cuda_script.GROUPS_KEPT.clear()
         assert "Finished training in" in capsys.readouterr().out
     else:
@@ -132,7 +132,7 @@ def test_a_job_on_one_machine_keeps_nccl_on_loopback(clean_env, monkeypatch):
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     two_machines = cuda_script.parse_args(["--num-machines", "2", "--num-gpu-processes", "1"])
     gpu_of_its_own(monkeypatch, 0)
-    cuda_script.prepare_nccl(dist.HashStore(), 0, 2, two_machines)
+    cuda_script.prepare_backend(dist.HashStore(), 0, 2, two_machines)
     assert "NCCL_SOCKET_IFNAME" not in os.environ  # NCCL's own choice, between machines
 
 

@@ -228,5 +228,5 @@ def test_a_system_that_cannot_list_its_interfaces_leaves_gloo_its_own_choice(cle
         "Store", (), {"set": lambda self, k, v: store.__setitem__(k, v), "get": lambda self, k: store[k]}
     )
     args = convnet_distributed.parse_args(["--master-port", "1"])
-    convnet_distributed.choose_gloo_interface(fake_store(), 0, 1, args)
+    convnet_distributed.prepare_backend(fake_store(), 0, 1, args)
     assert "machine/0" in store and os.environ["GLOO_SOCKET_IFNAME"] == ""  # Gloo's own choice

@@ -4,7 +4,6 @@ train trains; each launch that cannot stops within seconds with one line, and no
 
 import ast
 import datetime
-import functools
 import json
 import os
 import signal
@@ -266,10 +265,10 @@ def test_the_port_is_held_from_the_claim_but_refuses_connections_till_the_store_
             other.bind(("127.0.0.1", args.master_port))
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", args.master_port), timeout=5).close()
-        connect = functools.partial(dist.TCPStore, "127.0.0.1", args.master_port, 1, True)
-        store = convnet_distributed.rendezvous(0, True, args, listener, connect)
-        store.set("served", "yes")
-        assert store.get("served") == b"yes"
+        with convnet_distributed.rendezvous(0, True, args, listener) as options:
+            store = dist.TCPStore("127.0.0.1", args.master_port, 1, True, **options)
+            store.set("served", "yes")
+            assert store.get("served") == b"yes"
     finally:
         listener.close()
     free = convnet_distributed.parse_args([])  # no port given: a free one, held the same way
@@ -321,7 +320,7 @@ args = script.parse_args(["--master-port", sys.argv[2], "--num-processes", "2", 
 server = dist.TCPStore("127.0.0.1", args.master_port, 2, True, wait_for_workers=False)
 store = dist.TCPStore("127.0.0.1", args.master_port, 2, False)
 threading.Timer(2, lambda: server.set("abort", "error: rank 0: the line of the process that failed")).start()
-with script.exit_on_abort(None, 0, args):
+with script.rendezvous(0, False, args, None):  # a process that is not the master: its own client watches
     store.get("never")  # as Gloo's set-up waits for a peer's address, holding this client
 """
 
@@ -348,7 +347,8 @@ def test_the_ready_list_of_a_job_of_16384_ranks_is_accepted(clean_env):
     addresses = [f"10.0.{m // 256}.{m % 256}" for m in range(2048)]
     store.set("ready", json.dumps([[r // 8 for r in range(16384)], addresses]))
     assert len(store.get("ready")) > 1 << 16
-    found = convnet_distributed.roll_call(store, 5, 16384, args)  # rank 5, machine 0's sixth process
+    me = dict(convnet_distributed.roll_call_record(5, 16384, args), address="127.0.0.1")
+    found = convnet_distributed.wait_for_ready(store, 5, 16384, args, me, "127.0.0.1")  # machine 0's sixth
     assert found == dict(machine_id=0, num_machines=2048, machine_sizes=[8] * 2048, addresses=addresses)
 
 
