@@ -559,15 +559,7 @@ def parse_args(argv=None):
     found = (x for x in LAUNCHERS if all(getenv(v) for v in (x.rank, x.world_size, x.local_rank) if v))
     launcher = next(found, BY_HAND)
     layout = launcher_layout(parser, launcher)
-    said, defaults = launcher_flags(parser, args, launcher, layout)
-    fix = f"give {launcher.name} the same"
-    fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
-    for key, default in defaults.items():  # each flag as given, else as the launcher said, else its default
-        given = getattr(args, key)
-        if None not in (given, said.get(key)) and str(given) != str(said[key]):
-            flag = f"--{key.replace('_', '-')} {given} disagrees with {launcher.name}"
-            parser.error(f"{flag}, which set {said[key]}: drop the flag, or {fix}")
-        setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
+    vars(args).update(layout_flags(parser, args, launcher, layout))
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     try:  # MASTER_PORT, unchecked so far
@@ -609,8 +601,9 @@ def launcher_layout(parser, launcher):
     return Layout(rank, world_size, local_rank, local_size, machine, machines, own, by_host)
 
 
-def launcher_flags(parser, args, launcher, layout):
-    """The layout and rendezvous flags the launcher sets, and each one's default."""
+def layout_flags(parser, args, launcher, layout):
+    """Each layout and rendezvous flag as given, else as the launcher says, else its default; a flag the
+    launcher contradicts is a usage error."""
     addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
     said = {"master_addr": addr, "master_port": port} if launcher.rank == "RANK" else {}  # env://'s store
     if launcher.name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
@@ -625,7 +618,16 @@ def launcher_flags(parser, args, launcher, layout):
         said[processes] = None if layout.own else layout.local_size
     port = port or (0 if launcher is BY_HAND and (args.num_machines or 1) == 1 else 8892)  # 0: a free one
     defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
-    return said, {**defaults, "master_port": port}
+    fix = f"give {launcher.name} the same"
+    fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
+    taken = {}
+    for key, default in {**defaults, "master_port": port}.items():
+        given = getattr(args, key)
+        if None not in (given, said.get(key)) and str(given) != str(said[key]):
+            flag = f"--{key.replace('_', '-')} {given} disagrees with {launcher.name}"
+            parser.error(f"{flag}, which set {said[key]}: drop the flag, or {fix}")
+        taken[key] = next(v for v in (given, said.get(key), default) if v is not None)
+    return taken
 
 
 def launcher_number(parser, launcher, variable, default=None, index=0):
