@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import namedtuple
 from datetime import timedelta
 from multiprocessing import resource_tracker
 
@@ -371,99 +372,154 @@ def match_gradient_strides(model):
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 
 
-# The first launcher whose rank, world size and local rank are set wins (torchrun, mpirun pass SLURM's on).
-# Its variables of rank, world size, local rank, local size, machine, machines (-: none); of the launch.
-LAUNCHERS = {
-    "torchrun": ("RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE",
-                 "TORCHELASTIC_RUN_ID"),  # nodes may run different counts: GROUP_WORLD_SIZE counts them
-    "Open MPI": ("OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
-                 "OMPI_COMM_WORLD_LOCAL_SIZE - -", "PMIX_NAMESPACE"),
-    "MPICH": ("PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -", ""),  # and Intel MPI: Hydra
-    "MVAPICH": ("MV2_COMM_WORLD_RANK MV2_COMM_WORLD_SIZE MV2_COMM_WORLD_LOCAL_RANK "
-                "MV2_COMM_WORLD_LOCAL_SIZE - -", ""),
-    "SLURM": ("SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID SLURM_STEP_TASKS_PER_NODE SLURM_NODEID "
-              "SLURM_STEP_NUM_NODES", "SLURM_JOB_ID SLURM_STEP_ID"),  # srun's tasks alone have SLURM_STEP_*
+# Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
+# mpirun pass SLURM's variables on). Each one's variables of this process's rank, the world size, the local
+# rank, the processes on its machine, the machine's index and the machines ("-": it sets none), then those
+# that name one launch of it.
+LAUNCHER_VARIABLES = {
+    # Its nodes may run different numbers of processes: GROUP_WORLD_SIZE counts the nodes.
+    "torchrun": "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE TORCHELASTIC_RUN_ID",
+    "Open MPI": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
+    "OMPI_COMM_WORLD_LOCAL_SIZE - - PMIX_NAMESPACE",
+    "MPICH": "PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS - -",  # Intel MPI's too: both are Hydra
+    "MVAPICH": "MV2_COMM_WORLD_RANK MV2_COMM_WORLD_SIZE MV2_COMM_WORLD_LOCAL_RANK "
+    "MV2_COMM_WORLD_LOCAL_SIZE - -",
+    # Only srun's tasks have SLURM_STEP_*: a shell inside an allocation is no launch.
+    "SLURM": "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID SLURM_STEP_TASKS_PER_NODE SLURM_NODEID "
+    "SLURM_STEP_NUM_NODES SLURM_JOB_ID SLURM_STEP_ID",
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
-    "RANK and WORLD_SIZE": ("RANK WORLD_SIZE - - RANK WORLD_SIZE", ""),
-}  # fmt: skip
+    "RANK and WORLD_SIZE": "RANK WORLD_SIZE - - RANK WORLD_SIZE",
+}
+Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
+LAUNCHERS = [  # as records: None where a launcher sets no such variable
+    Launcher(name, *[None if v == "-" else v for v in variables.split()[:6]], variables.split()[6:])
+    for name, variables in LAUNCHER_VARIABLES.items()
+]
+BY_HAND = Launcher(None, *[None] * 6, [])
+# What a launcher's variables say, with own (SLURM started one task a machine) and by_host (no machine index).
+Layout = namedtuple("Layout", "rank world_size local_rank local_size machine machines own by_host")
 
 
 def parse_args(argv=None):
     """The flags, else the launcher's layout (LAUNCHERS), else defaults; then what argparse cannot check."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    found = (n for n, (v, _) in LAUNCHERS.items() if all(x == "-" or getenv(x) for x in v.split()[:3]))
-    name = next(found, None)
-    names, launch = (words.split() for words in LAUNCHERS.get(name, ("- - - - - -", "")))
-
-    def number(variable, default, index=0):
-        text = getenv(variable)
-        try:
-            if text is None or text.isdigit():
-                return default if text is None else int(text)
-            parts = (part.rstrip(")").partition("(x") for part in text.split(","))  # SLURM's 2(x3),1: 2 2 2 1
-            return [int(n) for n, _, times in parts for _ in range(int(times or 1))][index]  # this node's
-        except (ValueError, IndexError):
-            parser.error(f"{name} set {variable}={text!r}, which is not a whole number")
-
-    rank, world_size, local_rank = (number(v, d) for v, d in zip(names, (0, 1, 0)))
-    machine = number(names[4], None)
-    local_size = number(names[3], 1, index=machine or 0)
-    machine = rank // local_size if machine is None else machine
-    machines = number(names[5], -(-world_size // local_size))
-    own = name == "SLURM" and world_size == machines  # one task per node: this script starts the processes
-    mpi = name is not None and names[4] == "-"  # no machine index: the roll call tells machines by host
-    addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
     args.master_addr = args.master_addr and args.master_addr.strip("[]")  # IPv6 as in URLs: [fd00::1]
-    said = {"master_addr": addr, "master_port": port} if names[0] == "RANK" else {}  # env://'s store is there
-    if name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
-        # Of its compressed host list, rack[07-08]-n[1-2],gpu1, the first host (no scontrol): rack07-n1
-        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
-        first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
-        addr = addr or re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number
-        port = port or 15000 + (number("SLURM_JOB_ID", 0) * 97 + number("SLURM_STEP_ID", 0)) % 17000
-    if mpi and machines > 1 and not (args.master_addr or addr):
-        fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
-        parser.error(f"{name} runs this job on {machines} machines: {fix}")
-    processes, default = processes_flag()
-    if name:
-        said.update({"num_machines": machines, "machine_id": machine, processes: None if own else local_size})
-    port = port or (0 if name is None and (args.num_machines or 1) == 1 else 8892)  # 0: free (claim_port)
-    defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
-    for key, default in {**defaults, "master_port": port}.items():
-        given = getattr(args, key)
-        if None not in (given, said.get(key)) and str(given) != str(said[key]):
-            fix = "unset RANK and WORLD_SIZE" if name == "RANK and WORLD_SIZE" else f"give {name} the same"
-            flag = f"--{key.replace('_', '-')} {given}"
-            parser.error(f"{flag} disagrees with {name}, which set {said[key]}: drop the flag, or {fix}")
-        setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
+    found = (x for x in LAUNCHERS if all(getenv(v) for v in (x.rank, x.world_size, x.local_rank) if v))
+    launcher = next(found, BY_HAND)
+    layout = launcher_layout(parser, launcher)
+    vars(args).update(layout_flags(parser, args, launcher, layout))
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     try:  # MASTER_PORT, unchecked so far
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
-    launched = name is not None and not own  # this process is one rank of the launcher's
-    args.rank, args.local_rank = (rank, local_rank) if launched else (None, 0)
-    here = getattr(args, processes)
-    args.world_size = world_size if launched else args.num_machines * here
+    launched = launcher is not BY_HAND and not layout.own  # this process is one rank of the launcher's
+    args.rank, args.local_rank = (layout.rank, layout.local_rank) if launched else (None, 0)
+    args.processes_here = here = getattr(args, processes_flag()[0])
+    args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here  # + a local rank
+    args.world_size = layout.world_size if launched else args.num_machines * here
     args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
-    restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
-    args.launcher, args.by_host, args.launch_note = name, mpi, {
-        "torchrun": "torchrun" + (f", restart {restart}" if restart != "0" else ""),
-        "SLURM": f"SLURM: {plural(machines, 'node')}, one task each" if own
-        else f"SLURM: {plural(world_size, 'task')} on {plural(machines, 'node')}",
-    }.get(name, f"mpirun, {name}: {plural(world_size, 'rank')}" if mpi else name)  # fmt: skip
-    ids = [getenv(v) for v in launch] if name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
+    args.launcher = launcher.name
+    args.by_host = layout.by_host
+    args.launch_note = launch_note(launcher, layout)
+    ids = [getenv(v) for v in launcher.launch]
+    ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
     # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
-    shared = 1 if name == "SLURM" and launched and number("SLURM_CPUS_PER_TASK", 0) else here
-    # torchrun sets OMP_NUM_THREADS=1 where the user set none (run.py): its own start-up environment lacks it.
-    torchrun_omp = False  # not Linux: the user's
-    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
-        torchrun_omp = name == "torchrun" and args.launch_id and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
+    own_cpus = (
+        launched and args.launcher == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
+    )
     # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
-    return check_args(parser, args, shared, placement(args, 0)[0] == 0, torchrun_omp)
+    files = (args.rank if launched else args.first_rank) == 0
+    return check_args(parser, args, 1 if own_cpus else here, files, torchrun_set_omp_num_threads(args))
+
+
+def launcher_layout(parser, launcher):
+    """What the launcher's variables say (by hand, nothing): the ranks, this machine and the machines."""
+    rank = launcher_number(parser, launcher, launcher.rank, 0)
+    world_size = launcher_number(parser, launcher, launcher.world_size, 1)
+    local_rank = launcher_number(parser, launcher, launcher.local_rank, 0)
+    machine = launcher_number(parser, launcher, launcher.machine)
+    local_size = launcher_number(parser, launcher, launcher.local_size, 1, index=machine or 0)
+    machine = rank // local_size if machine is None else machine
+    machines = launcher_number(parser, launcher, launcher.machines, -(-world_size // local_size))
+    own = launcher.name == "SLURM" and world_size == machines  # a task a node: this script starts the rest
+    by_host = launcher is not BY_HAND and launcher.machine is None  # the roll call tells machines by host
+    return Layout(rank, world_size, local_rank, local_size, machine, machines, own, by_host)
+
+
+def layout_flags(parser, args, launcher, layout):
+    """Each layout and rendezvous flag as given, else as the launcher says, else its default; a flag the
+    launcher contradicts is a usage error."""
+    addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
+    said = {"master_addr": addr, "master_port": port} if launcher.rank == "RANK" else {}  # env://'s store
+    if launcher.name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
+        job, step = (launcher_number(parser, launcher, f"SLURM_{v}_ID", 0) for v in ("JOB", "STEP"))
+        addr, port = addr or slurm_first_node(), port or 15000 + (job * 97 + step) % 17000
+    if layout.by_host and layout.machines > 1 and not (args.master_addr or addr):
+        fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
+        parser.error(f"{launcher.name} runs this job on {layout.machines} machines: {fix}")
+    processes, default = processes_flag()
+    if launcher is not BY_HAND:
+        said.update(num_machines=layout.machines, machine_id=layout.machine)
+        said[processes] = None if layout.own else layout.local_size
+    port = port or (0 if launcher is BY_HAND and (args.num_machines or 1) == 1 else 8892)  # 0: a free one
+    defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
+    fix = f"give {launcher.name} the same"
+    fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
+    taken = {}
+    for key, default in {**defaults, "master_port": port}.items():
+        given = getattr(args, key)
+        if None not in (given, said.get(key)) and str(given) != str(said[key]):
+            flag = f"--{key.replace('_', '-')} {given} disagrees with {launcher.name}"
+            parser.error(f"{flag}, which set {said[key]}: drop the flag, or {fix}")
+        taken[key] = next(v for v in (given, said.get(key), default) if v is not None)
+    return taken
+
+
+def launcher_number(parser, launcher, variable, default=None, index=0):
+    """A launcher's variable as a number; of SLURM's counts per node (2(x3),1: 2, 2, 2, 1), this node's."""
+    text = getenv(variable) if variable else None
+    try:
+        if text is None or text.isdigit():
+            return default if text is None else int(text)
+        parts = (part.rstrip(")").partition("(x") for part in text.split(","))
+        return [int(n) for n, _, times in parts for _ in range(int(times or 1))][index]
+    except (ValueError, IndexError):
+        parser.error(f"{launcher.name} set {variable}={text!r}, which is not a whole number")
+
+
+def slurm_first_node():
+    """The step's first host, from its compressed list (no scontrol): rack07-n1 of rack[07-08]-n[1-2],gpu1."""
+    nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
+    first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
+    return re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number
+
+
+def launch_note(launcher, layout):
+    """What the layout line says of the launcher."""
+    if launcher.name == "torchrun":
+        restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
+        return "torchrun" + (f", restart {restart}" if restart != "0" else "")
+    if launcher.name == "SLURM" and layout.own:
+        return f"SLURM: {plural(layout.machines, 'node')}, one task each"
+    if launcher.name == "SLURM":
+        return f"SLURM: {plural(layout.world_size, 'task')} on {plural(layout.machines, 'node')}"
+    if layout.by_host:
+        return f"mpirun, {launcher.name}: {plural(layout.world_size, 'rank')}"
+    return launcher.name
+
+
+def torchrun_set_omp_num_threads(args):
+    """Whether torchrun, not the user, set OMP_NUM_THREADS (to 1 where a node runs several processes): its own
+    start-up environment, /proc/<its pid>/environ (Linux), has none."""
+    if args.launcher != "torchrun" or not args.launch_id:
+        return False
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        return b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
+    return False  # not Linux: the user's
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
