@@ -115,7 +115,7 @@ def train(model, optimizer, data, rank, world_size, args):
     """Each epoch: train on this rank's shard, evaluate, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    ddp_model, allreduce = data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce, clock = data_parallel(model, rank, world_size, args)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, allreduce))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -125,9 +125,12 @@ def train(model, optimizer, data, rank, world_size, args):
         torch.manual_seed(args.seed + epoch * world_size + rank)
         batches = epoch_batches(sampler, epoch, args.batch_size)
         # Ranks in step here: DDP's set-up and each evaluation synchronise them.
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), clock.waited
         train_loss = train_epoch(ddp_model, optimizer, train_images, train_labels, batches, epoch, args)
-        seconds += time.perf_counter() - start
+        took, waited = time.perf_counter() - start, clock.waited - waited
+        seconds += took
+        split = f"{took - waited:.2f} s computing, {waited:.2f} s ({waited / took:.0%}) waiting for gradients"
+        print0(f"Epoch {epoch} trained in {took:.2f} s: {split}")
         dist.all_reduce(train_loss)  # the sum of the ranks' mean losses
         test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
         release_freed_memory()
@@ -135,6 +138,7 @@ def train(model, optimizer, data, rank, world_size, args):
         print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {correct}")
         loss = train_loss.item() / world_size
         history.append(dict(epoch=epoch, train_loss=loss, test_loss=test_loss, test_accuracy=accuracy))
+        history[-1].update(train_seconds=took, waiting_seconds=waited)
         if args.checkpoint:
             save_checkpoint(model, optimizer, epoch, args)
     if not history:
@@ -200,21 +204,22 @@ def join_group(rank, world_size, args, listener=None):
 
 
 def data_parallel(model, rank, world_size, args):
-    """DDP around model, and how it averages the gradients: "shared-memory" or "gloo"."""
+    """DDP around model; how it averages the gradients, "shared-memory" or "gloo"; a clock of the waits."""
     averager = shared_memory_averager(model, rank, world_size, args)  # None: over Gloo
-    shared_memory = averager is not None
     # DDP broadcasts rank 0's weights: all copies start equal. gradient_as_bucket_view: no copy per step.
-    # An explicit cap holds for the first bucket too: one bucket for shared memory (one wait a step) and
-    # PowerSGD; over Gloo the small first bucket travels while backward goes on.
-    one_bucket = shared_memory or args.compress == "powersgd"
+    # One bucket for shared memory (one wait a step) and PowerSGD; over Gloo DDP's small first bucket
+    # travels while backward goes on.
+    one_bucket = averager or args.compress == "powersgd"
     ddp_model = DistributedDataParallel(
-        model, gradient_as_bucket_view=True, **({"bucket_cap_mb": 25} if one_bucket else {})
+        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if one_bucket else None
     )
-    if shared_memory:
-        ddp_model.register_comm_hook(averager, SharedMemoryAverager.average)
-        return ddp_model, "shared-memory"
-    compress_gradients(ddp_model, args.compress)
-    return ddp_model, "gloo"
+    if averager:
+        hook = averager, SharedMemoryAverager.average
+    else:  # torch's hooks: --compress's, or the plain average DDP makes without one
+        hook = compression_hook(args.compress) or (None, default_hooks.allreduce_hook)
+    clock = WaitClock(*hook)
+    ddp_model.register_comm_hook(clock, WaitClock.average)  # it times the average, then hands it on
+    return ddp_model, "shared-memory" if averager else "gloo", clock
 
 
 def worker(local_rank, args, data, listener=None):
@@ -224,8 +229,8 @@ def worker(local_rank, args, data, listener=None):
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
+        job = try_the_group(world_size, device, job)  # across machines: the link timed, --compress auto taken
         if job.check:
-            check_group(world_size, device, job)
             return
         if data is None:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
@@ -313,8 +318,8 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
     add("--allreduce", "gloo: no shared memory (default: auto)", choices=["auto", "gloo"], default="auto")
-    add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
-        choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
+    add("--compress", "powersgd: gradients sent in low rank; auto: so where the link is slow (default: none)",
+        choices=["none", "powersgd", "auto"], default="none")  # fmt: skip
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, list machines, exit (default: off)", action="store_true")
     return p
@@ -481,13 +486,32 @@ class SharedMemoryAverager:
             os.sched_yield()
 
 
+class WaitClock:
+    """A DDP hook around the one that averages. It adds up, step by step, the time from the last bucket's
+    call (the last gradient computed) to the last average's arrival: what computing did not hide."""
+
+    def __init__(self, state, hook):
+        self.state, self.hook, self.waited, self.since = state, hook, 0.0, None
+
+    def average(self, bucket):
+        self.since = time.perf_counter() if bucket.is_last() else None  # DDP calls buckets in order
+        return self.hook(self.state, bucket).then(self.arrived)
+
+    def arrived(self, future):  # on the backend's thread; DDP waits for this future before the step ends
+        if self.since is not None:
+            now = time.perf_counter()
+            self.waited += max(0.0, now - self.since)
+            self.since = max(self.since, now)
+        return future.value()
+
+
 def averaging_words(allreduce, args):
     if allreduce == "shared-memory":
         return "in shared memory" + (
             " (--compress acts across machines only)" if args.compress != "none" else ""
         )
     powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    return "over Gloo" + {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
+    return "over Gloo" + (powersgd if args.compress == "powersgd" else "")
 
 
 def gradient_shortfall(model, world_size, failed=False):
@@ -945,24 +969,46 @@ def reach_every_machine(store, rank, args, listens_on=None):
                 "interface that reaches them"))  # fmt: skip
 
 
-# ---- S5. --check, and compression for slow links -----------------------------------------------------------
+# ---- S5. --check, the link timed, and compression for slow links -----------------------------------------
 
 # PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
 POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+# Of the gradients a step, what each --compress sends: all, or PowerSGD's factors (19,954 of 300,426 numbers).
+SENT = {"none": 1.0, "powersgd": 0.066}
 
 
-def check_group(world_size, device, args):
-    """One all-reduce; across machines, a step's computing timed against its gradients' average."""
-    total = torch.ones(1, device=device)
-    dist.all_reduce(total)  # every process adds its 1
-    if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
-    machines = plural(args.num_machines, "machine")
-    print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
+def try_the_group(world_size, device, args):
+    """Ones of the gradients' size averaged: --check passes only once they arrive. Across machines, a step's
+    computing timed against that average: a line names a slow link's --compress, which auto takes (from
+    figures every rank shares, so every rank takes the same). Returns args with the --compress taken."""
+    if args.check or args.num_machines > 1:
+        compute, network, size = time_a_step(world_size, device, args)
+    if args.check:
+        machines = plural(args.num_machines, "machine")
+        print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
     if args.num_machines == 1:
-        return
+        return job_record(args, compress="none" if args.compress == "auto" else args.compress)
+    # Averaged plainly, the large gradients travel while the backward computes the rest, about half a step;
+    # compressed, the one bucket leaves after the backward.
+    waits = {c: max(0.0, network * sent - (compute / 2 if c == "none" else 0)) for c, sent in SENT.items()}
+    share = {c: wait / (compute + wait) for c, wait in waits.items()}
+    best = min(share, key=share.get) if share["none"] > 1 / 4 else "none"
+    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms "
+    line += f"(~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: "
+    line += f"waiting would take ~{share['none']:.0%} of each step"
+    line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
+    if args.compress == "auto":
+        print0(f"{line} (--compress auto: {best})")
+    elif args.check or args.compress == "none" != best:
+        print0(line)
+    return job_record(args, compress=best if args.compress == "auto" else args.compress)
+
+
+def time_a_step(world_size, device, args):
+    """A step's computing and an average of ones of the gradients' size, timed, in ms: the slowest rank's
+    (the same figures on every rank); and the average's size in bytes."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
-    grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    grads = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
     for _ in range(3):  # the median skips the first's set-up; .item() waits for a GPU
         start = time.perf_counter()
@@ -971,24 +1017,24 @@ def check_group(world_size, device, args):
         loss.backward()
         loss.item()
         computed = time.perf_counter()
-        dist.all_reduce(grads)
+        dist.all_reduce(grads.fill_(1))  # every process adds its ones
         grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
+    if not grads.eq(world_size).all():
+        sys.exit(
+            f"error: the check summed {grads.min().item():g} over {world_size} processes: {BACKEND} lost some"
+        )
     slowest = torch.tensor(seconds, device=device).median(dim=0).values
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's
-    compute, network = (round(1000 * s) for s in slowest.tolist())
-    line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
-    slow = network > compute / 2 and args.compress != "powersgd"
-    print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
+    return *(1000 * s for s in slowest.tolist()), 4 * grads.numel()
 
 
-def compress_gradients(ddp_model, compress):
-    """Torch's hooks. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
-    if compress == "bf16":
-        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+def compression_hook(compress):
+    """Torch's DDP hook for --compress, with its state; None for a plain average. PowerSGD's state stays out
+    of checkpoints: afresh, it trains as well."""
     if compress == "powersgd":  # one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
         state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state, powerSGD_hook.powerSGD_hook
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -120,7 +120,8 @@ def train(model, optimizer, data, rank, world_size, args):
         device_ids=None if device.type == "cpu" else [device.index],
         bucket_cap_mb=25 if args.compress == "powersgd" else None,
     )
-    compress_gradients(ddp_model, args.compress)
+    if hook := compression_hook(args.compress):  # else DDP's own average
+        ddp_model.register_comm_hook(*hook)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, "gloo" if device.type == "cpu" else "nccl"))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -214,8 +215,8 @@ def worker(local_rank, args, data, listener=None):
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
+        job = try_the_group(world_size, device, job)  # across machines: the link timed, --compress auto taken
         if job.check:
-            check_group(world_size, device, job)
             return
         if data is None:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
@@ -302,8 +303,8 @@ def build_parser():
     add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
-    add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
-        choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
+    add("--compress", "powersgd: gradients sent in low rank; auto: so where the link is slow (default: none)",
+        choices=["none", "powersgd", "auto"], default="none")  # fmt: skip
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
     return p
@@ -349,7 +350,7 @@ def prepare_nccl(store, rank, world_size, args):
 
 def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
     powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    words = {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
+    words = powersgd if args.compress == "powersgd" else ""
     return ("by NCCL" if allreduce == "nccl" else "over Gloo") + words
 
 
@@ -805,24 +806,46 @@ def reach_every_machine(store, rank, args, listens_on=None):
                 "interface that reaches them"))  # fmt: skip
 
 
-# ---- S5. --check, and compression for slow links -----------------------------------------------------------
+# ---- S5. --check, the link timed, and compression for slow links -----------------------------------------
 
 # PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
 POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+# Of the gradients a step, what each --compress sends: all, or PowerSGD's factors (19,954 of 300,426 numbers).
+SENT = {"none": 1.0, "powersgd": 0.066}
 
 
-def check_group(world_size, device, args):
-    """One all-reduce; across machines, a step's computing timed against its gradients' average."""
-    total = torch.ones(1, device=device)
-    dist.all_reduce(total)  # every process adds its 1
-    if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
-    machines = plural(args.num_machines, "machine")
-    print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
+def try_the_group(world_size, device, args):
+    """Ones of the gradients' size averaged: --check passes only once they arrive. Across machines, a step's
+    computing timed against that average: a line names a slow link's --compress, which auto takes (from
+    figures every rank shares, so every rank takes the same). Returns args with the --compress taken."""
+    if args.check or args.num_machines > 1:
+        compute, network, size = time_a_step(world_size, device, args)
+    if args.check:
+        machines = plural(args.num_machines, "machine")
+        print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
     if args.num_machines == 1:
-        return
+        return job_record(args, compress="none" if args.compress == "auto" else args.compress)
+    # Averaged plainly, the large gradients travel while the backward computes the rest, about half a step;
+    # compressed, the one bucket leaves after the backward.
+    waits = {c: max(0.0, network * sent - (compute / 2 if c == "none" else 0)) for c, sent in SENT.items()}
+    share = {c: wait / (compute + wait) for c, wait in waits.items()}
+    best = min(share, key=share.get) if share["none"] > 1 / 4 else "none"
+    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms "
+    line += f"(~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: "
+    line += f"waiting would take ~{share['none']:.0%} of each step"
+    line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
+    if args.compress == "auto":
+        print0(f"{line} (--compress auto: {best})")
+    elif args.check or args.compress == "none" != best:
+        print0(line)
+    return job_record(args, compress=best if args.compress == "auto" else args.compress)
+
+
+def time_a_step(world_size, device, args):
+    """A step's computing and an average of ones of the gradients' size, timed, in ms: the slowest rank's
+    (the same figures on every rank); and the average's size in bytes."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
-    grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    grads = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
     for _ in range(3):  # the median skips the first's set-up; .item() waits for a GPU
         start = time.perf_counter()
@@ -831,24 +854,24 @@ def check_group(world_size, device, args):
         loss.backward()
         loss.item()
         computed = time.perf_counter()
-        dist.all_reduce(grads)
+        dist.all_reduce(grads.fill_(1))  # every process adds its ones
         grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
+    if not grads.eq(world_size).all():
+        sys.exit(
+            f"error: the check summed {grads.min().item():g} over {world_size} processes: {BACKEND} lost some"
+        )
     slowest = torch.tensor(seconds, device=device).median(dim=0).values
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's
-    compute, network = (round(1000 * s) for s in slowest.tolist())
-    line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
-    slow = network > compute / 2 and args.compress != "powersgd"
-    print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
+    return *(1000 * s for s in slowest.tolist()), 4 * grads.numel()
 
 
-def compress_gradients(ddp_model, compress):
-    """Torch's hooks. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
-    if compress == "bf16":
-        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+def compression_hook(compress):
+    """Torch's DDP hook for --compress, with its state; None for a plain average. PowerSGD's state stays out
+    of checkpoints: afresh, it trains as well."""
     if compress == "powersgd":  # one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
         state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state, powerSGD_hook.powerSGD_hook
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def one_step(rank, world_size, port, out, allreduce, token):
     sampler = DistributedSampler(labels, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     first = convnet_distributed.epoch_batches(sampler, 0, args.batch_size)[:1]
     initial = copy.deepcopy(model)
-    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
     own_loss = torch.nn.functional.nll_loss(
@@ -187,7 +187,7 @@ def free_running_steps(rank, world_size, port, out, steps):
             wait_for_all(self),
             time.sleep(0.03),
         )
-    ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+    ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     torch.manual_seed(rank)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches, 0, args)
     torch.save({"allreduce": allreduce, "history": history}, os.path.join(out, f"rank{rank}.pt"))
