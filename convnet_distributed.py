@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -207,18 +207,17 @@ def data_parallel(model, rank, world_size, args):
     """DDP around model; how it averages the gradients, "shared-memory" or "gloo"; a clock of the waits."""
     averager = shared_memory_averager(model, rank, world_size, args)  # None: over Gloo
     # DDP broadcasts rank 0's weights: all copies start equal. gradient_as_bucket_view: no copy per step.
-    # One bucket for shared memory (one wait a step) and PowerSGD; over Gloo DDP's small first bucket
-    # travels while backward goes on.
-    one_bucket = averager or args.compress == "powersgd"
+    # One bucket for shared memory (one wait a step); over Gloo DDP's small first bucket travels while
+    # backward goes on.
     ddp_model = DistributedDataParallel(
-        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if one_bucket else None
+        model, gradient_as_bucket_view=True, bucket_cap_mb=25 if averager else None
     )
+    clock = WaitClock()  # a hook that times each average, and hands it on
     if averager:
-        hook = averager, SharedMemoryAverager.average
-    else:  # torch's hooks: --compress's, or the plain average DDP makes without one
-        hook = compression_hook(args.compress) or (None, default_hooks.allreduce_hook)
-    clock = WaitClock(*hook)
-    ddp_model.register_comm_hook(clock, WaitClock.average)  # it times the average, then hands it on
+        clock.state, clock.hook = averager, SharedMemoryAverager.average
+    else:  # torch's hooks: local SGD's, or the plain average DDP makes without one
+        clock.state, clock.hook = local_sgd(ddp_model, args, clock) or (None, default_hooks.allreduce_hook)
+    ddp_model.register_comm_hook(clock, WaitClock.average)
     return ddp_model, "shared-memory" if averager else "gloo", clock
 
 
@@ -318,8 +317,8 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
     add("--allreduce", "gloo: no shared memory (default: auto)", choices=["auto", "gloo"], default="auto")
-    add("--compress", "powersgd: gradients sent in low rank; auto: so where the link is slow (default: none)",
-        choices=["none", "powersgd", "auto"], default="none")  # fmt: skip
+    add("--compress", "local-sgd: average the model every 64 steps; auto: for slow links (default: none)",
+        choices=["none", "local-sgd", "auto"], default="none")  # fmt: skip
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, list machines, exit (default: off)", action="store_true")
     return p
@@ -490,8 +489,8 @@ class WaitClock:
     """A DDP hook around the one that averages. It adds up, step by step, the time from the last bucket's
     call (the last gradient computed) to the last average's arrival: what computing did not hide."""
 
-    def __init__(self, state, hook):
-        self.state, self.hook, self.waited, self.since = state, hook, 0.0, None
+    def __init__(self):
+        self.state, self.hook, self.waited, self.since = None, None, 0.0, None
 
     def average(self, bucket):
         self.since = time.perf_counter() if bucket.is_last() else None  # DDP calls buckets in order
@@ -507,11 +506,11 @@ class WaitClock:
 
 def averaging_words(allreduce, args):
     if allreduce == "shared-memory":
-        return "in shared memory" + (
-            " (--compress acts across machines only)" if args.compress != "none" else ""
-        )
-    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    return "over Gloo" + (powersgd if args.compress == "powersgd" else "")
+        across = " (--compress acts across machines only)" if args.compress != "none" else ""
+        return "gradients averaged in shared memory" + across
+    if args.compress == "local-sgd":
+        return f"copies averaged over Gloo every {LOCAL_SGD_PERIOD} steps (local SGD)"
+    return "gradients averaged over Gloo"
 
 
 def gradient_shortfall(model, world_size, failed=False):
@@ -971,10 +970,10 @@ def reach_every_machine(store, rank, args, listens_on=None):
 
 # ---- S5. --check, the link timed, and compression for slow links -----------------------------------------
 
-# PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
-POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
-# Of the gradients a step, what each --compress sends: all, or PowerSGD's factors (19,954 of 300,426 numbers).
-SENT = {"none": 1.0, "powersgd": 0.066}
+# --compress local-sgd: each copy steps on its own gradients, and the copies are averaged every
+# LOCAL_SGD_PERIOD steps: one average of the model where there were that many of the gradients.
+LOCAL_SGD_PERIOD = 64
+SENT = {"none": 1.0, "local-sgd": 1 / LOCAL_SGD_PERIOD}  # of each step's numbers, what each choice sends
 
 
 def try_the_group(world_size, device, args):
@@ -989,7 +988,7 @@ def try_the_group(world_size, device, args):
     if args.num_machines == 1:
         return job_record(args, compress="none" if args.compress == "auto" else args.compress)
     # Averaged plainly, the large gradients travel while the backward computes the rest, about half a step;
-    # compressed, the one bucket leaves after the backward.
+    # local SGD's model average waits for none.
     waits = {c: max(0.0, network * sent - (compute / 2 if c == "none" else 0)) for c, sent in SENT.items()}
     share = {c: wait / (compute + wait) for c, wait in waits.items()}
     best = min(share, key=share.get) if share["none"] > 1 / 4 else "none"
@@ -1005,12 +1004,12 @@ def try_the_group(world_size, device, args):
 
 
 def time_a_step(world_size, device, args):
-    """A step's computing and an average of ones of the gradients' size, timed, in ms: the slowest rank's
-    (the same figures on every rank); and the average's size in bytes."""
+    """A step's computing and an average of ones of the gradients' size, timed, in ms (the same figures on
+    every rank); and the average's size in bytes."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
     grads = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
-    for _ in range(3):  # the median skips the first's set-up; .item() waits for a GPU
+    for _ in range(3):  # the fastest of 3: the first sets up, a busy core only slows; .item() waits for a GPU
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = model(images).sum()
@@ -1024,17 +1023,39 @@ def time_a_step(world_size, device, args):
         sys.exit(
             f"error: the check summed {grads.min().item():g} over {world_size} processes: {BACKEND} lost some"
         )
-    slowest = torch.tensor(seconds, device=device).median(dim=0).values
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's
-    return *(1000 * s for s in slowest.tolist()), 4 * grads.numel()
+    # The slowest rank's computing, and the average as the last rank to arrive timed it (the others waited for
+    # it too): one maximum of (computing, -average) over the ranks.
+    figures = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor(
+        [1.0, -1.0], device=device
+    )
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return 1000 * figures[0].item(), -1000 * figures[1].item(), 4 * grads.numel()
 
 
-def compression_hook(compress):
-    """Torch's DDP hook for --compress, with its state; None for a plain average. PowerSGD's state stays out
-    of checkpoints: afresh, it trains as well."""
-    if compress == "powersgd":  # one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
-        state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
-        return state, powerSGD_hook.powerSGD_hook
+def local_sgd(ddp_model, args, clock=None):
+    """--compress local-sgd: torch's hook that leaves each copy its own gradients, with its state (None for
+    other choices); and a hook before each step that makes every copy the copies' average every
+    LOCAL_SGD_PERIOD steps, in place, each weight in its layout (torch's PeriodicModelAverager leaves
+    channels-last weights contiguous, and DDP then copies them every step)."""
+    if args.compress != "local-sgd":
+        return None
+    params, steps = list(ddp_model.parameters()), itertools.count()
+
+    def average(module, inputs):  # before a step's forward: the previous step is done
+        if (step := next(steps)) > 0 and step % LOCAL_SGD_PERIOD == 0:
+            start = time.perf_counter()
+            flat = torch.cat([p.detach().reshape(-1) for p in params]).div_(dist.get_world_size())
+            dist.all_reduce(flat)
+            for p, mean in zip(params, flat.split([p.numel() for p in params])):
+                p.detach().copy_(mean.view_as(p))
+            if clock:
+                clock.waited += time.perf_counter() - start
+
+    ddp_model.register_forward_pre_hook(average)
+    state = post_localSGD_hook.PostLocalSGDState(
+        None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False
+    )
+    return state, post_localSGD_hook.post_localSGD_hook
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------
@@ -1310,7 +1331,7 @@ def layout_line(world_size, args, allreduce):
         f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
         f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
-        f"gradients averaged {averaging_words(allreduce, args)}{note}"
+        f"{averaging_words(allreduce, args)}{note}"
     )
 
 

@@ -1,23 +1,27 @@
 #!/usr/bin/env python3
-"""What a network between machines costs convnet_distributed.py, and what --compress buys back.
+"""What a network between machines costs convnet_distributed.py, and what --compress auto buys back.
 
 Two hosts made of network namespaces joined by a veth pair, the link shaped in both directions by tc's token
-bucket filter (tbf) to each speed of --links; one process on each host. The reference is the same 2 processes
-on one host, averaging over Gloo (--allreduce gloo). Every process gets the same threads (the cores shared out
-between the 2), the same batch (--batch-size per process) and the same data.
+bucket filter (tbf) to each speed of --links, as a real link of that speed: a bucket of 1 ms of the rate, and
+no segment larger (veth's 64 KiB segments need a bucket that passes a compressed step at once). One process on
+each host. The reference is the same 2 processes on one host, averaging over Gloo (--allreduce gloo). Every
+process gets the same threads (the cores shared out between the 2), the same batch (--batch-size per process)
+and the same data.
 
-Each configuration runs --repeats times, interleaved (every configuration once, then every one again), in
-reverse order every other repeat, with a reference run before and after each: a throughput ratio is a run's
-training loop against the mean of the two references beside it (a vCPU's speed drifts by 10-20% over minutes,
-more than the targets' margins), and the median of the ratios is judged. Beside it stands the range over the
-repeats: for the median, an interval of 1 - 2 / 2**repeats coverage (75% for 3 repeats, 94% for 5). Then,
-apart, one run of --accuracy-epochs epochs per --compress choice on one host over Gloo (the same arithmetic as
-across two hosts), for the accuracy after several epochs.
+Each configuration (a link, a --compress: by default none, and auto, the README's advice) runs --repeats
+times, interleaved (every configuration once, then every one again), in reverse order every other repeat, with
+a reference run before and after each: a throughput ratio is a run's training loop against the mean of the two
+references beside it (a vCPU's speed drifts by 10-20% over minutes, more than the targets' margins), and the
+median of the ratios is judged. Beside it stands the range over the repeats: for the median, an interval of
+1 - 2 / 2**repeats coverage (75% for 3 repeats, 94% for 5). Then, apart, one run of --accuracy-epochs epochs
+per --compress taken (auto takes one per link) on one host over Gloo (the same arithmetic as across two
+hosts), for the accuracy after several epochs.
 
 Writes to --out-dir: network.md (the tables, each target marked), network.png (throughput against link speed,
-one line per --compress choice, the accuracy in the legend; needs matplotlib) and runs.json (every run).
+one line per --compress, the accuracy in the legend; needs matplotlib) and runs.json (every run).
 
-Needs root (ip netns, tc). Run from the repository root, on a quiet machine (about 19 minutes on 2 cores):
+Needs root (ip netns, tc). Run from the repository root, on a quiet machine (about 55 minutes on 2 cores, most
+of it the plain runs at 10 Mbit/s):
     mkdir -p data/FashionMNIST/raw && cp /usr/share/datasets/fashion-mnist/*.gz data/FashionMNIST/raw/
     python bench/network.py --dataset fashion-mnist --data-dir data
 """
@@ -38,7 +42,7 @@ from common import REPO, free_port, machine_facts, positive_int, script_env, wri
 from runner import busy_cpu_seconds, own_cpu_seconds
 
 SCRIPT = os.path.join(REPO, "convnet_distributed.py")
-CHOICES = ("none", "powersgd", "auto")
+CHOICES = ("none", "local-sgd", "auto")
 
 
 # --- the two hosts --------------------------------------------------------------------------------
