@@ -366,8 +366,8 @@ def match_gradient_strides(model):
 
 # ============================================================================================================
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
-# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet, DATASETS,
-# BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
+# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
+# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
 # averaging_words and worker.
 # ============================================================================================================
 
@@ -803,18 +803,15 @@ def reach_every_machine(store, rank, args, listens_on=None):
                 "interface that reaches them"))  # fmt: skip
 
 
-# ---- S5. --check, the link timed, and compression for slow links -----------------------------------------
+# ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
 
-# --compress local-sgd: each copy steps on its own gradients, and the copies are averaged every
-# LOCAL_SGD_PERIOD steps: one average of the model where there were that many of the gradients.
-LOCAL_SGD_PERIOD = 64
-SENT = {"none": 1.0, "local-sgd": 1 / LOCAL_SGD_PERIOD}  # of each step's numbers, what each choice sends
+LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies are averaged every 64 steps
 
 
 def try_the_group(world_size, device, args):
-    """Ones of the gradients' size averaged: --check passes only once they arrive. Across machines, a step's
-    computing timed against that average: a line names a slow link's --compress, which auto takes (from
-    figures every rank shares, so every rank takes the same). Returns args with the --compress taken."""
+    """Averages ones of the gradients' size: --check passes once they arrive. Across machines, times that
+    against a step's computing and names the --compress a slow link needs, which auto takes (every rank, from
+    the same figures). Returns args with the --compress taken."""
     if args.check or args.num_machines > 1:
         compute, network, size = time_a_step(world_size, device, args)
     if args.check:
@@ -822,74 +819,61 @@ def try_the_group(world_size, device, args):
         print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
     if args.num_machines == 1:
         return job_record(args, compress="none" if args.compress == "auto" else args.compress)
-    # Averaged plainly, the large gradients travel while the backward computes the rest, about half a step;
-    # local SGD's model average waits for none.
-    waits = {c: max(0.0, network * sent - (compute / 2 if c == "none" else 0)) for c, sent in SENT.items()}
+    # DDP sends fc1's gradients while the backward computes the rest, about half a step.
+    waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
     share = {c: wait / (compute + wait) for c, wait in waits.items()}
-    best = min(share, key=share.get) if share["none"] > 1 / 4 else "none"
-    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms "
-    line += f"(~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: "
-    line += f"waiting would take ~{share['none']:.0%} of each step"
-    line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-    if args.compress == "auto":
-        print0(f"{line} (--compress auto: {best})")
-    elif args.check or args.compress == "none" != best:
-        print0(line)
+    best = "local-sgd" if share["none"] > 1 / 4 else "none"
+    took = f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
+    advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
+    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
+    line += f"~{share['none']:.0%} of each step{advice}"
+    if args.check or args.compress == "auto" or args.compress == "none" != best:
+        print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
     return job_record(args, compress=best if args.compress == "auto" else args.compress)
 
 
 def time_a_step(world_size, device, args):
-    """A step's computing and an average of ones of the gradients' size, timed, in ms (the same figures on
-    every rank); and the average's size in bytes."""
+    """A step's computing and an average of ones of the gradients' size, in ms; that average's bytes."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
     grads = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
-    for _ in range(3):  # the fastest of 3: the first sets up, a busy core only slows; .item() waits for a GPU
+    for _ in range(3):  # .item() waits for a GPU
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = model(images).sum()
         loss.backward()
         loss.item()
         computed = time.perf_counter()
-        dist.all_reduce(grads.fill_(1))  # every process adds its ones
+        dist.all_reduce(grads.fill_(1))
         grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
     if not grads.eq(world_size).all():
-        sys.exit(
-            f"error: the check summed {grads.min().item():g} over {world_size} processes: {BACKEND} lost some"
-        )
-    # The slowest rank's computing, and the average as the last rank to arrive timed it (the others waited for
-    # it too): one maximum of (computing, -average) over the ranks.
-    figures = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor(
-        [1.0, -1.0], device=device
-    )
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    return 1000 * figures[0].item(), -1000 * figures[1].item(), 4 * grads.numel()
+        sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
+    # The fastest of 3 (the first sets up); of the ranks, the slowest computing and the average as the last to
+    # arrive saw it (the others waited for it too): one maximum, the average negated.
+    fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
+    return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook that leaves each copy its own gradients, with its state (None for
-    other choices); and a hook before each step that makes every copy the copies' average every
-    LOCAL_SGD_PERIOD steps, in place, each weight in its layout (torch's PeriodicModelAverager leaves
-    channels-last weights contiguous, and DDP then copies them every step)."""
+    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
+    before every LOCAL_SGD_PERIOD-th step the copies' average, copied in (docs/compat.md)."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
 
-    def average(module, inputs):  # before a step's forward: the previous step is done
-        if (step := next(steps)) > 0 and step % LOCAL_SGD_PERIOD == 0:
-            start = time.perf_counter()
-            flat = torch.cat([p.detach().reshape(-1) for p in params]).div_(dist.get_world_size())
-            dist.all_reduce(flat)
+    def average(module, inputs):  # before a step's forward
+        if (step := next(steps)) and step % LOCAL_SGD_PERIOD == 0:
+            start, flat = time.perf_counter(), torch.cat([p.detach().reshape(-1) for p in params])
+            dist.all_reduce(flat.div_(dist.get_world_size()))
             for p, mean in zip(params, flat.split([p.numel() for p in params])):
                 p.detach().copy_(mean.view_as(p))
             if clock:
                 clock.waited += time.perf_counter() - start
 
     ddp_model.register_forward_pre_hook(average)
-    state = post_localSGD_hook.PostLocalSGDState(
-        None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False
-    )
+    state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
     return state, post_localSGD_hook.post_localSGD_hook
 
 
