@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -115,13 +115,10 @@ def train(model, optimizer, data, rank, world_size, args):
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
     match_gradient_strides(model)
     # DDP broadcasts rank 0's weights: all copies start equal. device_ids: this process's GPU (None on a
-    # CPU, where the tests run). PowerSGD needs the whole model in one bucket.
-    ddp_model = DistributedDataParallel(
-        model,
-        device_ids=None if device.type == "cpu" else [device.index],
-        bucket_cap_mb=25 if args.compress == "powersgd" else None,
-    )
-    compress_gradients(ddp_model, args.compress)
+    # CPU, where the tests run).
+    ddp_model = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
+    if hook := local_sgd(ddp_model, args):  # else DDP's own average
+        ddp_model.register_comm_hook(*hook)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, "gloo" if device.type == "cpu" else "nccl"))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -209,8 +206,8 @@ def worker(local_rank, args, data, listener=None):
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
+        job = try_the_group(world_size, device, job)  # across machines: the link timed, --compress auto taken
         if job.check:
-            check_group(world_size, device, job)
             return
         if data is None:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
@@ -296,8 +293,8 @@ def build_parser():
     add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
-    add("--compress", "gradients sent as bf16 or PowerSGD's low rank (default: none)",
-        choices=["none", "bf16", "powersgd"], default="none")  # fmt: skip
+    add("--compress", "local-sgd: average the model every 64 steps; auto: for slow links (default: none)",
+        choices=["none", "local-sgd", "auto"], default="none")  # fmt: skip
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
     return p
@@ -343,9 +340,10 @@ def prepare_backend(store, rank, world_size, args):
 
 
 def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
-    powersgd = f", compressed by PowerSGD (rank {POWERSGD_RANK}) after {POWERSGD_PLAIN_STEPS} plain steps"
-    words = {"none": "", "bf16": ", sent as bfloat16", "powersgd": powersgd}[args.compress]
-    return ("by NCCL" if allreduce == "nccl" else "over Gloo") + words
+    how = "by NCCL" if allreduce == "nccl" else "over Gloo"
+    if args.compress == "local-sgd":
+        return f"copies averaged {how} every {LOCAL_SGD_PERIOD} steps (local SGD)"
+    return f"gradients averaged {how}"
 
 
 def match_gradient_strides(model):
@@ -997,50 +995,78 @@ def probe(store, rank, args, m):
         abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
 
 
-# ---- S5. --check, and compression for slow links -----------------------------------------------------------
+# ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
 
-# PowerSGD's rank, and plain steps first (DDP reorders buckets after step 1; the hook needs 2)
-POWERSGD_RANK, POWERSGD_PLAIN_STEPS = 4, 2
+LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies are averaged every 64 steps
 
 
-def check_group(world_size, device, args):
-    """One all-reduce; across machines, a step's computing timed against its gradients' average."""
-    total = torch.ones(1, device=device)
-    dist.all_reduce(total)  # every process adds its 1
-    if total.item() != world_size:
-        sys.exit(f"error: the check summed {total.item():g} over {world_size} processes: {BACKEND} lost some")
-    machines = plural(args.num_machines, "machine")
-    print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
+def try_the_group(world_size, device, args):
+    """Averages ones of the gradients' size: --check passes once they arrive. Across machines, times that
+    against a step's computing and names the --compress a slow link needs, which auto takes (every rank, from
+    the same figures). Returns args with the --compress taken."""
+    if args.check or args.num_machines > 1:
+        compute, network, size = time_a_step(world_size, device, args)
+    if args.check:
+        machines = plural(args.num_machines, "machine")
+        print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
     if args.num_machines == 1:
-        return
+        return job_record(args, compress="none" if args.compress == "auto" else args.compress)
+    # DDP sends fc1's gradients while the backward computes the rest, about half a step.
+    waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
+    share = {c: wait / (compute + wait) for c, wait in waits.items()}
+    best = "local-sgd" if share["none"] > 1 / 4 else "none"
+    took = f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
+    advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
+    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
+    line += f"~{share['none']:.0%} of each step{advice}"
+    if args.check or args.compress == "auto" or args.compress == "none" != best:
+        print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
+    return job_record(args, compress=best if args.compress == "auto" else args.compress)
+
+
+def time_a_step(world_size, device, args):
+    """A step's computing and an average of ones of the gradients' size, in ms; that average's bytes."""
     model = ConvNet().to(device, memory_format=torch.channels_last)
-    grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=device)
+    grads = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     images, seconds = torch.randn(args.batch_size, 1, 28, 28, device=device), []
-    for _ in range(3):  # the median skips the first's set-up; .item() waits for a GPU
+    for _ in range(3):  # .item() waits for a GPU
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = model(images).sum()
         loss.backward()
         loss.item()
         computed = time.perf_counter()
-        dist.all_reduce(grads)
+        dist.all_reduce(grads.fill_(1))
         grads[0].item()
         seconds.append([computed - start, time.perf_counter() - computed])
-    slowest = torch.tensor(seconds, device=device).median(dim=0).values
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's
-    compute, network = (round(1000 * s) for s in slowest.tolist())
-    line = f"Network: averaging the gradients ({4 * grads.numel() / 1e6:.1f} MB) takes ~{network} ms"
-    slow = network > compute / 2 and args.compress != "powersgd"
-    print0(f"{line}, a step's computing ~{compute} ms" + (": consider --compress powersgd" if slow else ""))
+    if not grads.eq(world_size).all():
+        sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
+    # The fastest of 3 (the first sets up); of the ranks, the slowest computing and the average as the last to
+    # arrive saw it (the others waited for it too): one maximum, the average negated.
+    fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
+    return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
 
 
-def compress_gradients(ddp_model, compress):
-    """Torch's hooks. PowerSGD's state stays out of checkpoints: afresh, it trains as well."""
-    if compress == "bf16":
-        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if compress == "powersgd":  # one bucket (bucket_cap_mb): its all-reduces reach every rank in one order
-        state = powerSGD_hook.PowerSGDState(None, POWERSGD_RANK, start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+def local_sgd(ddp_model, args, clock=None):
+    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
+    before every LOCAL_SGD_PERIOD-th step the copies' average, copied in (docs/compat.md)."""
+    if args.compress != "local-sgd":
+        return None
+    params, steps = list(ddp_model.parameters()), itertools.count()
+
+    def average(module, inputs):  # before a step's forward
+        if (step := next(steps)) and step % LOCAL_SGD_PERIOD == 0:
+            start, flat = time.perf_counter(), torch.cat([p.detach().reshape(-1) for p in params])
+            dist.all_reduce(flat.div_(dist.get_world_size()))
+            for p, mean in zip(params, flat.split([p.numel() for p in params])):
+                p.detach().copy_(mean.view_as(p))
+            if clock:
+                clock.waited += time.perf_counter() - start
+
+    ddp_model.register_forward_pre_hook(average)
+    state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
+    return state, post_localSGD_hook.post_localSGD_hook
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------
@@ -1319,7 +1345,7 @@ def layout_line(world_size, args, allreduce):
         f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
         f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
         f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
-        f"gradients averaged {averaging_words(allreduce, args)}{note}"
+        f"{averaging_words(allreduce, args)}{note}"
     )
 
 

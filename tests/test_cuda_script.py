@@ -97,11 +97,11 @@ def test_cuda_script_training_runs_on_cpu_through_its_own_functions(tmp_path, mo
 
 def test_a_failed_check_names_nccl_which_the_script_uses(clean_env, monkeypatch):
     """--check's error, when the sum comes out short, names the GPU script's backend: it said Gloo."""
-    args = cuda_script.parse_args(["--num-gpu-processes", "1"])
+    args = cuda_script.parse_args(["--num-gpu-processes", "1", "--check"])
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "all_reduce", lambda tensor: None)  # one process's 1: the other's never came
     with pytest.raises(SystemExit) as exited:
-        cuda_script.check_group(2, torch.device("cpu"), args)
+        cuda_script.try_the_group(2, torch.device("cpu"), args)
     assert str(exited.value) == "error: the check summed 1 over 2 processes: NCCL lost some"
 
 

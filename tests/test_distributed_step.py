@@ -79,7 +79,7 @@ def one_step(rank, world_size, out, allreduce, token):
     initial = copy.deepcopy(model)
     named = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=token))
     with mock.patch.object(convnet_distributed, "uuid", named):
-        ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+        ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
     convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, first, 0, args)
     # This rank's own gradient, without the averaging, for contrast.
     own_loss = torch.nn.functional.nll_loss(
@@ -138,7 +138,7 @@ def free_running_steps(rank, world_size, out, steps):
         slow = lambda self: (wait_for_all(self), time.sleep(0.03))  # noqa: E731
         held = mock.patch.object(convnet_distributed.SharedMemoryAverager, "wait_for_all", slow)
     with held:
-        ddp_model, allreduce = convnet_distributed.data_parallel(model, rank, world_size, args)
+        ddp_model, allreduce, _ = convnet_distributed.data_parallel(model, rank, world_size, args)
         torch.manual_seed(rank)
         convnet_distributed.train_epoch(ddp_model, optimizer, images, labels, batches, 0, args)
     torch.save({"allreduce": allreduce, "history": history}, os.path.join(out, f"rank{rank}.pt"))

@@ -122,7 +122,7 @@ c.gradient_shortfall = lambda model, world_size, failed=False: (
 )
 c.averages_in_shared_memory = lambda args, world_size: True
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-ddp_model, allreduce = c.data_parallel(c.ConvNet(), 0, 1, c.parse_args(["--master-port", "{port}"]))
+ddp_model, allreduce, _ = c.data_parallel(c.ConvNet(), 0, 1, c.parse_args(["--master-port", "{port}"]))
 loss = torch.nn.functional.nll_loss(ddp_model(torch.randn(4, 1, 28, 28)), torch.zeros(4, dtype=torch.long))
 loss.backward()  # a step: its gradients averaged
 print("gradients averaged", allreduce, flush=True)
