@@ -217,7 +217,7 @@ def data_parallel(model, rank, world_size, args):
 
 
 def worker(local_rank, args, data, listener=None):
-    rank, world_size, _ = placement(args, local_rank)
+    rank, world_size = args.first_rank + local_rank, args.world_size
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = select_device(local_rank)
@@ -322,18 +322,12 @@ def processes_flag():
     return "num_processes", 1  # the flag of this machine's processes, and its default
 
 
-def placement(args, local_rank):
-    """(rank, world size, processes on this machine)."""
-    rank = args.machine_id * args.num_processes + local_rank if args.rank is None else args.rank
-    return rank, args.world_size, args.num_processes
-
-
 # ---- M2. Network interfaces: where Gloo listens ------------------------------------------------------------
 
 
 def prepare_backend(store, rank, world_size, args):
     """Point Gloo, unauthenticated, at loopback on one machine, else at the interface the others reach."""
-    count = placement(args, 0)[2]
+    count = args.processes_here
     spans = world_size > count
     name = getenv("GLOO_SOCKET_IFNAME")
     listed = interface_addresses()
@@ -536,7 +530,7 @@ def gradient_shortfall(model, world_size, failed=False):
 # ============================================================================================================
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
 # where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
-# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag, placement,
+# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag,
 # prepare_backend, averaging_words and worker.
 # ============================================================================================================
 
@@ -806,7 +800,7 @@ def listening(port, host="", listen=True):
 
 def machine0_twice(args):
     """Stops every launch where the port's holder is this job's machine 0 from another launch."""
-    me = roll_call_record(0, placement(args, 0)[1], args)
+    me = roll_call_record(0, args.world_size, args)
     found = []
 
     def ask():  # in a thread: TCPStore waits forever on a server that never answers
@@ -948,7 +942,7 @@ def wait_for_ready(store, rank, world_size, args, me, far):
         if rank != 0:
             return f"Waiting for all {world_size} processes to join at {args.master_addr}:{args.master_port}"
         gone = [r for r, key in enumerate(keys) if not store.check([key])]
-        who = [*dict.fromkeys(r // placement(args, 0)[2] if args.rank is None else r for r in gone)]
+        who = [*dict.fromkeys(r // args.processes_here if args.rank is None else r for r in gone)]
         kind = ("machine" if args.rank is None else "rank") + "s" * (len(who) > 1)
         names = ", ".join(map(str, who[:8])) + ", ..." * (len(who) > 8)
         return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {names}"
@@ -1102,7 +1096,7 @@ def printable(text):
 
 
 def local_rank_of(rank, args):
-    return args.local_rank if args.rank is not None else rank - args.machine_id * placement(args, 0)[2]
+    return rank - args.first_rank
 
 
 def reach_every_machine(store, rank, args):
@@ -1385,7 +1379,7 @@ def run_workers(args, data, nprocs, listener):
             pass
     except mp.ProcessExitedException as e:
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exit_code}"
-        rank, pid = placement(args, e.error_index)[0], getattr(e, "error_pid", None) or e.pid
+        rank, pid = args.first_rank + e.error_index, getattr(e, "error_pid", None) or e.pid
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         status = {1: 1, 130: 130, 143: 143, -signal.SIGTERM: 143}  # 1: it said why; a stop: exit_on_signal
         sys.exit(status.get(e.exit_code, line))
@@ -1422,7 +1416,7 @@ def spawned_worker(local_rank, args, data, listener, ctrl_c):
 @contextlib.contextmanager
 def exit_on_signal(args):
     """Ctrl-C or SIGTERM runs every clean-up, then exits 130 or 143 with one line a machine."""
-    path = args.checkpoint if placement(args, 0)[0] == 0 else None  # rank 0's machine says what it holds
+    path = args.checkpoint if args.first_rank == 0 else None  # rank 0's machine says what it holds
     before = file_version(path)
     raise_on_signals(ctrl_c=signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:

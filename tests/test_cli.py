@@ -22,7 +22,7 @@ def test_article_multi_machine_flags_parse_in_both_spellings(clean_env):
     dashes = convnet_distributed.parse_args([a.replace("_", "-") for a in ARTICLE_MULTI_MACHINE])
     assert vars(underscore) == vars(dashes)
     assert (underscore.num_machines, underscore.machine_id, underscore.num_processes) == (2, 1, 8)
-    assert convnet_distributed.placement(underscore, 3) == (11, 16, 8)  # rank = machine x processes + local
+    assert (underscore.first_rank, underscore.world_size, underscore.processes_here) == (8, 16, 8)  # 1 x 8
 
 
 def test_master_address_and_port_come_from_flags_then_environment(clean_env, monkeypatch):
@@ -79,7 +79,7 @@ def test_torchrun_environment_decides_rank_and_world(clean_env, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     args = convnet_distributed.parse_args([])
     assert args.launcher == "torchrun" and args.machine_id == 1  # no GROUP_RANK: rank // local size
-    assert convnet_distributed.placement(args, 1) == (5, 8, 4)
+    assert (args.rank, args.first_rank, args.world_size, args.processes_here) == (5, 4, 8, 4)
     assert args.threads == 2
 
 
@@ -89,7 +89,7 @@ def test_cuda_script_uses_every_visible_gpu_by_default(clean_env, monkeypatch):
     args = convnet_distributed_cuda.parse_args(["--num-machines", "2", "--machine-id", "1"])
     assert args.num_gpu_processes == 4
     assert args.batch_size == 64
-    assert [convnet_distributed_cuda.placement(args, g) for g in range(4)] == [(r, 8, 4) for r in range(4, 8)]
+    assert (args.rank, args.first_rank, args.world_size, args.processes_here) == (None, 4, 8, 4)
     assert convnet_distributed_cuda.parse_args(["--num-gpu-processes", "2"]).num_gpu_processes == 2
 
 
@@ -173,7 +173,8 @@ def test_rank_and_world_size_without_local_rank_make_one_process_per_launch(
     args = convnet_distributed.parse_args([])
     assert (args.num_processes, args.num_machines, args.machine_id) == (1, 2, 1)
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 29500)
-    assert convnet_distributed.placement(args, 0) == (1, 2, 1) and args.launcher == "RANK and WORLD_SIZE"
+    assert (args.rank, args.first_rank, args.world_size, args.processes_here) == (1, 1, 2, 1)
+    assert args.launcher == "RANK and WORLD_SIZE"
     assert convnet_distributed.parse_args(["--num-processes", "1", "--machine-id", "1"]).num_machines == 2
     with pytest.raises(SystemExit) as exit:
         convnet_distributed.parse_args(flags)

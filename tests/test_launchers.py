@@ -53,7 +53,7 @@ def test_srun_with_two_tasks_per_node_makes_each_task_one_rank(clean_env, monkey
         "node07",
         15000 + (4711 * 97 + 0) % 17000,
     )  # job 4711, step 0
-    assert module.placement(args, args.local_rank) == (3, 4, 2)
+    assert (args.first_rank, args.processes_here) == (2, 2)  # task 3 = 2 + local rank 1
     assert args.launch_note == "SLURM: 4 tasks on 2 nodes"
     assert args.threads == 4  # the 8 cores of this node shared by its 2 tasks
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
@@ -136,7 +136,7 @@ def test_srun_with_one_task_per_node_runs_the_scripts_own_launcher(clean_env, mo
         1,
         4,
     )
-    assert convnet_distributed.placement(args, 3) == (7, 8, 4) and args.threads == 2
+    assert (args.first_rank, args.world_size, args.processes_here, args.threads) == (4, 8, 4, 2)
     assert args.launch_note == "SLURM: 2 nodes, one task each"
     args, _ = layout(
         convnet_distributed, monkeypatch, {}, ["--num-machines", "2", "--machine-id", "1"]
