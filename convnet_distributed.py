@@ -311,8 +311,8 @@ def build_parser():
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
     add("--allreduce", "gloo: no shared memory (default: auto)", choices=["auto", "gloo"], default="auto")
-    add("--compress", "local-sgd: average the model every 64 steps; auto: for slow links (default: none)",
-        choices=["none", "local-sgd", "auto"], default="none")  # fmt: skip
+    local_sgd = "local-sgd: average the model every 64 steps; auto: for slow links (default: none)"
+    add("--compress", local_sgd, choices=["none", "local-sgd", "auto"], default="none")
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, list machines, exit (default: off)", action="store_true")
     return p
@@ -539,9 +539,8 @@ def gradient_shortfall(model, world_size, failed=False):
 
 
 # Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
-# mpirun pass SLURM's variables on). Each one's variables of this process's rank, the world size, the local
-# rank, the processes on its machine, the machine's index and the machines ("-": it sets none), then those
-# that name one launch of it.
+# mpirun pass SLURM's on). Each one's variables of this process's rank, the world size, the local rank, the
+# processes on its machine, the machine's index and the machines ("-": it sets none), then of the launch.
 LAUNCHER_VARIABLES = {
     # Its nodes may run different numbers of processes: GROUP_WORLD_SIZE counts the nodes.
     "torchrun": "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE TORCHELASTIC_RUN_ID",
@@ -562,8 +561,6 @@ LAUNCHERS = [  # as records: None where a launcher sets no such variable
     for name, variables in LAUNCHER_VARIABLES.items()
 ]
 BY_HAND = Launcher(None, *[None] * 6, [])
-# What a launcher's variables say, with own (SLURM started one task a machine) and by_host (no machine index).
-Layout = namedtuple("Layout", "rank world_size local_rank local_size machine machines own by_host")
 
 
 def parse_args(argv=None):
@@ -573,76 +570,71 @@ def parse_args(argv=None):
     args.master_addr = args.master_addr and args.master_addr.strip("[]")  # IPv6 as in URLs: [fd00::1]
     found = (x for x in LAUNCHERS if all(getenv(v) for v in (x.rank, x.world_size, x.local_rank) if v))
     launcher = next(found, BY_HAND)
-    layout = launcher_layout(parser, launcher)
-    vars(args).update(layout_flags(parser, args, launcher, layout))
+    args.launcher = launcher.name
+    args.by_host = launcher is not BY_HAND and launcher.machine is None  # machines told apart by host
+    args.rank, args.world_size = layout_flags(parser, args, launcher)
+    launched = args.rank is not None  # this process is one rank of the launcher's
+    args.local_rank = launcher_number(parser, launcher, launcher.local_rank, 0) if launched else 0
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     try:  # MASTER_PORT, unchecked so far
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
-    launched = launcher is not BY_HAND and not layout.own  # this process is one rank of the launcher's
-    args.rank, args.local_rank = (layout.rank, layout.local_rank) if launched else (None, 0)
     args.processes_here = here = getattr(args, processes_flag()[0])
     args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here  # + a local rank
-    args.world_size = layout.world_size if launched else args.num_machines * here
+    args.world_size = args.world_size if launched else args.num_machines * here
     args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
-    args.launcher = launcher.name
-    args.by_host = layout.by_host
-    args.launch_note = launch_note(launcher, layout)
+    args.launch_note = launch_note(args)
     ids = [getenv(v) for v in launcher.launch]
     ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
     # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
-    own_cpus = (
-        launched and args.launcher == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
-    )
+    cpus = launched and launcher.name == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
     # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
-    return check_args(parser, args, 1 if own_cpus else here, files, torchrun_set_omp_num_threads(args))
+    # torchrun sets OMP_NUM_THREADS=1 where the user set none: then its own start-up environment has none.
+    torchrun_omp = False  # not Linux: the user's
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        torchrun_omp = launcher.name == "torchrun" and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
+    return check_args(parser, args, 1 if cpus else here, files, torchrun_omp and bool(args.launch_id))
 
 
-def launcher_layout(parser, launcher):
-    """What the launcher's variables say (by hand, nothing): the ranks, this machine and the machines."""
+def layout_flags(parser, args, launcher):
+    """Sets layout and rendezvous flags: as given (if the launcher agrees), else as it says, else default."""
     rank = launcher_number(parser, launcher, launcher.rank, 0)
     world_size = launcher_number(parser, launcher, launcher.world_size, 1)
-    local_rank = launcher_number(parser, launcher, launcher.local_rank, 0)
     machine = launcher_number(parser, launcher, launcher.machine)
     local_size = launcher_number(parser, launcher, launcher.local_size, 1, index=machine or 0)
-    machine = rank // local_size if machine is None else machine
     machines = launcher_number(parser, launcher, launcher.machines, -(-world_size // local_size))
     own = launcher.name == "SLURM" and world_size == machines  # a task a node: this script starts the rest
-    by_host = launcher is not BY_HAND and launcher.machine is None  # the roll call tells machines by host
-    return Layout(rank, world_size, local_rank, local_size, machine, machines, own, by_host)
-
-
-def layout_flags(parser, args, launcher, layout):
-    """Each layout and rendezvous flag as given, else as the launcher says, else its default; a flag the
-    launcher contradicts is a usage error."""
     addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
     said = {"master_addr": addr, "master_port": port} if launcher.rank == "RANK" else {}  # env://'s store
     if launcher.name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
         job, step = (launcher_number(parser, launcher, f"SLURM_{v}_ID", 0) for v in ("JOB", "STEP"))
-        addr, port = addr or slurm_first_node(), port or 15000 + (job * 97 + step) % 17000
-    if layout.by_host and layout.machines > 1 and not (args.master_addr or addr):
+        port = port or 15000 + (job * 97 + step) % 17000
+        # The first host of its compressed list (no scontrol): rack07-n1 of rack[07-08]-n[1-2],gpu1.
+        nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
+        first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
+        addr = addr or re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number
+    if args.by_host and machines > 1 and not (args.master_addr or addr):
         fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
-        parser.error(f"{launcher.name} runs this job on {layout.machines} machines: {fix}")
+        parser.error(f"{launcher.name} runs this job on {machines} machines: {fix}")
     processes, default = processes_flag()
     if launcher is not BY_HAND:
-        said.update(num_machines=layout.machines, machine_id=layout.machine)
-        said[processes] = None if layout.own else layout.local_size
+        said.update(num_machines=machines, machine_id=rank // local_size if machine is None else machine)
+        said[processes] = None if own else local_size
     port = port or (0 if launcher is BY_HAND and (args.num_machines or 1) == 1 else 8892)  # 0: a free one
     defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
     fix = f"give {launcher.name} the same"
     fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
-    taken = {}
     for key, default in {**defaults, "master_port": port}.items():
         given = getattr(args, key)
         if None not in (given, said.get(key)) and str(given) != str(said[key]):
             flag = f"--{key.replace('_', '-')} {given} disagrees with {launcher.name}"
             parser.error(f"{flag}, which set {said[key]}: drop the flag, or {fix}")
-        taken[key] = next(v for v in (given, said.get(key), default) if v is not None)
-    return taken
+        setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
+    return (None if own or launcher is BY_HAND else rank), world_size  # None: this process is no rank of it
 
 
 def launcher_number(parser, launcher, variable, default=None, index=0):
@@ -657,35 +649,16 @@ def launcher_number(parser, launcher, variable, default=None, index=0):
         parser.error(f"{launcher.name} set {variable}={text!r}, which is not a whole number")
 
 
-def slurm_first_node():
-    """The step's first host, from its compressed list (no scontrol): rack07-n1 of rack[07-08]-n[1-2],gpu1."""
-    nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
-    first = re.match(r"[^,\[]*(\[[^\]]*\][^,\[]*)*", nodes).group()
-    return re.sub(r"\[([^,\]-]*)[^\]]*\]", r"\1", first)  # each bracket's first number
-
-
-def launch_note(launcher, layout):
+def launch_note(args):
     """What the layout line says of the launcher."""
-    if launcher.name == "torchrun":
+    nodes = plural(args.num_machines, "node")
+    if args.launcher == "torchrun":
         restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
         return "torchrun" + (f", restart {restart}" if restart != "0" else "")
-    if launcher.name == "SLURM" and layout.own:
-        return f"SLURM: {plural(layout.machines, 'node')}, one task each"
-    if launcher.name == "SLURM":
-        return f"SLURM: {plural(layout.world_size, 'task')} on {plural(layout.machines, 'node')}"
-    if layout.by_host:
-        return f"mpirun, {launcher.name}: {plural(layout.world_size, 'rank')}"
-    return launcher.name
-
-
-def torchrun_set_omp_num_threads(args):
-    """Whether torchrun, not the user, set OMP_NUM_THREADS (to 1 where a node runs several processes): its own
-    start-up environment, /proc/<its pid>/environ (Linux), has none."""
-    if args.launcher != "torchrun" or not args.launch_id:
-        return False
-    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
-        return b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
-    return False  # not Linux: the user's
+    if args.launcher == "SLURM":
+        tasks = plural(args.world_size, "task")
+        return f"SLURM: {nodes}, one task each" if args.rank is None else f"SLURM: {tasks} on {nodes}"
+    return f"mpirun, {args.launcher}: {plural(args.world_size, 'rank')}" if args.by_host else args.launcher
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
