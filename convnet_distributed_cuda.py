@@ -297,11 +297,8 @@ def build_parser():
     add("--compress", local_sgd, choices=["none", "local-sgd", "auto"], default="none")
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
+    p.processes = "num_gpu_processes", max(1, torch.cuda.device_count())  # the flag, and its default
     return p
-
-
-def processes_flag():
-    return "num_gpu_processes", max(1, torch.cuda.device_count())  # the flag, and its default
 
 
 # ---- M2. GPUs and NCCL -------------------------------------------------------------------------------------
@@ -356,8 +353,8 @@ def match_gradient_strides(model):
 # ============================================================================================================
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
 # where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
-# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, processes_flag,
-# prepare_backend, averaging_words and worker.
+# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, prepare_backend,
+# averaging_words and worker.
 # ============================================================================================================
 
 
@@ -407,7 +404,7 @@ def parse_args(argv=None):
         args.master_port = port_number(str(args.master_port)) if args.master_port else 0
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
-    args.processes_here = here = getattr(args, processes_flag()[0])
+    args.processes_here = here = getattr(args, parser.processes[0])
     args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here  # + a local rank
     args.world_size = args.world_size if launched else args.num_machines * here
     args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
@@ -446,7 +443,7 @@ def layout_flags(parser, args, launcher):
     if args.by_host and machines > 1 and not (args.master_addr or addr):
         fix = "give machine 0's address as --master-addr or MASTER_ADDR (mpirun -x MASTER_ADDR=node0)"
         parser.error(f"{launcher.name} runs this job on {machines} machines: {fix}")
-    processes, default = processes_flag()
+    processes, default = parser.processes
     if launcher is not BY_HAND:
         said.update(num_machines=machines, machine_id=rank // local_size if machine is None else machine)
         said[processes] = None if own else local_size

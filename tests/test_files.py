@@ -113,7 +113,7 @@ import torch.distributed as dist
 import convnet_distributed_cuda as script
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-job, path = types.SimpleNamespace(rank=0, local_rank=0), sys.argv[1]  # a launcher's rank 0, alone
+job, path = types.SimpleNamespace(rank=0, first_rank=0), sys.argv[1]  # a launcher's rank 0, alone
 try:
     script.on_rank0(job, script.write_atomically, path, lambda f: f.write(b"first" * 400_000))  # 2 of 3 MB
     script.on_rank0(job, script.write_atomically, path, lambda f: f.write(b"second" * 400_000))  # no room
