@@ -363,7 +363,7 @@ def match_gradient_strides(model):
 
 # Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
 # mpirun pass SLURM's on). Each one's variables of this process's rank, the world size, the local rank, the
-# processes on its machine, the machine's index and the machines ("-": it sets none), then of the launch.
+# processes on its machine, the machine's index, the machines ("-": it sets none), then its launch's names.
 LAUNCHER_VARIABLES = {
     # Its nodes may run different numbers of processes: GROUP_WORLD_SIZE counts the nodes.
     "torchrun": "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE TORCHELASTIC_RUN_ID",
@@ -395,7 +395,7 @@ def parse_args(argv=None):
     launcher = next(found, BY_HAND)
     args.launcher = launcher.name
     args.by_host = launcher is not BY_HAND and launcher.machine is None  # machines told apart by host
-    args.rank, args.world_size = layout_flags(parser, args, launcher)
+    vars(args).update(layout_flags(parser, args, launcher))  # and the launcher's rank and world size
     launched = args.rank is not None  # this process is one rank of the launcher's
     args.local_rank = launcher_number(parser, launcher, launcher.local_rank, 0) if launched else 0
     if not 0 <= args.machine_id < args.num_machines:
@@ -424,7 +424,7 @@ def parse_args(argv=None):
 
 
 def layout_flags(parser, args, launcher):
-    """Sets layout and rendezvous flags: as given (if the launcher agrees), else as it says, else default."""
+    """The layout and rendezvous flags: as given (if the launcher agrees), else as it says, else default."""
     rank = launcher_number(parser, launcher, launcher.rank, 0)
     world_size = launcher_number(parser, launcher, launcher.world_size, 1)
     machine = launcher_number(parser, launcher, launcher.machine)
@@ -451,13 +451,14 @@ def layout_flags(parser, args, launcher):
     defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
     fix = f"give {launcher.name} the same"
     fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
+    taken = {"rank": None if own or launcher is BY_HAND else rank, "world_size": world_size}  # None: no rank
     for key, default in {**defaults, "master_port": port}.items():
         given = getattr(args, key)
         if None not in (given, said.get(key)) and str(given) != str(said[key]):
             flag = f"--{key.replace('_', '-')} {given} disagrees with {launcher.name}"
             parser.error(f"{flag}, which set {said[key]}: drop the flag, or {fix}")
-        setattr(args, key, next(v for v in (given, said.get(key), default) if v is not None))
-    return (None if own or launcher is BY_HAND else rank), world_size  # None: this process is no rank of it
+        taken[key] = next(v for v in (given, said.get(key), default) if v is not None)
+    return taken
 
 
 def launcher_number(parser, launcher, variable, default=None, index=0):
