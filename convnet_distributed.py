@@ -9,6 +9,8 @@ Two machines, one launch each, both naming machine 0's address:
     python convnet_distributed.py --num-machines 2 --machine-id 1 --master-addr 10.0.0.1
 Under torchrun, which starts the processes:
     torchrun --nproc-per-node 2 convnet_distributed.py --batch-size 64
+Reading it: the story comes first, in the order a run goes: join_group (the store, the group), data_parallel
+(DDP), train (the sampler, set_epoch, the loop), evaluate, worker (leaving the group), main (the launch).
 """
 
 import _thread
@@ -228,25 +230,13 @@ def save_checkpoint(model, optimizer, epoch, args):
     write_on_rank0(args, args.checkpoint, lambda f: torch.save(state, f))
 
 
-# ---- 7. Leave the group, whatever ends the run
-@contextlib.contextmanager
-def leaving_the_group(rank, args):
-    """Destroys the process group on the way out; a lost peer ends the run in one line, not a traceback."""
-    try:
-        yield
-    except RuntimeError as e:
-        exit_if_contact_lost(e, rank, args)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
+# ---- 7. The worker: join, train, leave
 def worker(local_rank, args, data, listener=None):
     rank, world_size, _ = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
-    with leaving_the_group(rank, job):
+    try:
         if data is None and not job.check:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
@@ -259,6 +249,11 @@ def worker(local_rank, args, data, listener=None):
         model = ConvNet().to(device, memory_format=torch.channels_last)  # oneDNN's convolutions' layout
         optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
         train(model, optimizer, data, rank, world_size, job)
+    except RuntimeError as e:
+        exit_if_contact_lost(e, rank, job)  # a lost peer: one line, not a traceback
+        raise
+    finally:
+        dist.destroy_process_group()  # leave the group, however the run ends
 
 
 # ---- 8. Launch
@@ -498,8 +493,7 @@ class Averaging:
     room), else over Gloo. It adds up the time from each step's last gradient (its last bucket's call) to the
     last average's arrival, what computing did not hide."""
 
-    since = None  # this step's last call
-    waited = 0.0
+    since, waited = None, 0.0  # this step's last call, and the time waited so far
 
     def __init__(self, model, rank, world_size, args):
         self.model, self.args, self.averager = model, args, None

@@ -10,6 +10,8 @@ Two machines, one launch each, both naming machine 0's address:
 Under torchrun, which starts the processes:
     torchrun --nproc-per-node 8 convnet_distributed_cuda.py
 Without a GPU, use convnet_distributed.py.
+Reading it: the story comes first, in the order a run goes: join_group (the store, the group), data_parallel
+(DDP), train (the sampler, set_epoch, the loop), evaluate, worker (leaving the group), main (the launch).
 """
 
 import _thread
@@ -221,25 +223,13 @@ def save_checkpoint(model, optimizer, epoch, args):
     write_on_rank0(args, args.checkpoint, lambda f: torch.save(state, f))
 
 
-# ---- 7. Leave the group, whatever ends the run
-@contextlib.contextmanager
-def leaving_the_group(rank, args):
-    """Destroys the process group on the way out; a lost peer ends the run in one line, not a traceback."""
-    try:
-        yield
-    except RuntimeError as e:
-        exit_if_contact_lost(e, rank, args)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
+# ---- 7. The worker: join, train, leave
 def worker(local_rank, args, data, listener=None):
     rank, world_size, _ = placement(args, local_rank)
     torch.set_num_threads(args.threads)
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
-    with leaving_the_group(rank, job):
+    try:
         if data is None and not job.check:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
@@ -252,6 +242,11 @@ def worker(local_rank, args, data, listener=None):
         model = ConvNet().to(device, memory_format=torch.channels_last)  # cuDNN's tensor cores' layout
         optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
         train(model, optimizer, data, rank, world_size, job)
+    except RuntimeError as e:
+        exit_if_contact_lost(e, rank, job)  # a lost peer: one line, not a traceback
+        raise
+    finally:
+        dist.destroy_process_group()  # leave the group, however the run ends
 
 
 # ---- 8. Launch
