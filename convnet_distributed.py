@@ -395,11 +395,10 @@ def check_gloo_socket_ifname():
     name = getenv("GLOO_SOCKET_IFNAME")
     found = interface_addresses()
     if name and found is not None:  # where nothing is listed, Gloo will say
-        for one in name.split(","):
-            if not found.get(one):
-                have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
-                line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
-                sys.exit(f"{line}: name one of {have}, on each machine its own")
+        for one in [n for n in name.split(",") if not found.get(n)]:
+            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
+            line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
+            sys.exit(f"{line}: name one of {have}, on each machine its own")
 
 
 def interface_addresses():
@@ -490,8 +489,8 @@ class SharedMemoryAverager:
 
 class Averaging:
     """How DDP averages the gradients: in shared memory on one machine (rank 0 says if /dev/shm lacks the
-    room), else over Gloo. It adds up the time from each step's last gradient (its last bucket's call) to the
-    last average's arrival, what computing did not hide."""
+    room), else over Gloo. Its hooks keep max-pool's gradient channels-last and add up the time from each
+    step's last gradient (its last bucket's call) to the last average's arrival: the wait not hidden."""
 
     since, waited = None, 0.0  # this step's last call, and the time waited so far
 
@@ -505,7 +504,6 @@ class Averaging:
         self.how = "shared-memory" if self.averager else "gloo"
 
     def hook_into(self, ddp_model):
-        """The hooks on the model's gradients: max-pool's kept channels-last, then the average, timed."""
         keep_pool_gradient_channels_last(self.model)
         if self.averager:
             self.state, self.hook = self.averager, SharedMemoryAverager.average
