@@ -10,6 +10,8 @@ Two machines, one launch each, both naming machine 0's address:
 Under torchrun, which starts the processes:
     torchrun --nproc-per-node 8 convnet_distributed_cuda.py
 Without a GPU, use convnet_distributed.py.
+Reading it: the story comes first, in the order a run goes: join_group (the store, the group), data_parallel
+(DDP), train (the sampler, set_epoch, the loop), evaluate, worker (leaving the group), main (the launch).
 """
 
 import _thread
@@ -58,11 +60,17 @@ CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "NCCL"  # as failure lines name it
 TEST_BATCH_SIZE = 1000  # large: a GPU does it in about the time of a small one
 START_METHOD = "spawn"  # CUDA cannot run in a forked child of a process that has used it
-# --dataset: its class, and the mean and std of its training pixels in [0, 1]
+# Each --dataset's class, and the mean and std of its training pixels in [0, 1].
 DATASETS = {
     "mnist": (datasets.MNIST, 0.1302, 0.3069),
     "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
 }
+
+
+def print0(message):
+    """Rank 0 speaks for the job: one line, not one a process."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 # ---- 2. The model
@@ -86,6 +94,10 @@ class ConvNet(nn.Module):
 
 
 # ---- 3. Data
+def raw_folder(args):
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+
+
 def load_data(args):
     """Both splits: uint8 images [N, 28, 28], int64 labels [N]."""
     try:
@@ -102,29 +114,49 @@ def to_input(images, dataset):
     return images.unsqueeze(1).float().div_(255).sub_(mean).div_(std)
 
 
-def epoch_batches(sampler, epoch, batch_size, device):
-    """This rank's batches, as index tensors: a DataLoader's with this sampler, minus per-image work."""
-    sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
-    return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
+# ---- 4. Join the process group
+# Every process runs worker(): it joins the group and trains its own copy of the model on its shard;
+# DistributedDataParallel averages the gradients in backward(), so every copy takes the same step.
+def join_group(rank, world_size, args, listener=None):
+    """Join the process group over NCCL: every process of every machine meets at machine 0's store."""
+    # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
+    # process connects to it, as init_method="env://" would.
+    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
+    with rendezvous(rank, is_master, args, listener) as options:  # a failure: one line on every machine
+        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
+        store, job = roll_call(store, rank, world_size, args)  # every process checks in, or all stop
+        # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
+        )
+    return job
 
 
-# ---- 4. Train and evaluate
+# ---- 5. Wrap the model in DDP
+def data_parallel(model, args):
+    """DDP around model, with the hooks on its gradients: local SGD's average, else DDP's own."""
+    device = next(model.parameters()).device
+    # DDP broadcasts rank 0's weights: all copies start equal. device_ids: this process's GPU (None on a
+    # CPU, where the tests run).
+    ddp_model = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
+    hook_gradients(ddp_model, args)
+    return ddp_model
+
+
+# ---- 6. Train and evaluate
 def train(model, optimizer, data, rank, world_size, args):
     """Each epoch: train on this rank's shard, evaluate, checkpoint; then report."""
     device = next(model.parameters()).device
     train_images, train_labels, test_images, test_labels = (t.to(device) for t in data)
-    match_gradient_strides(model)
-    # DDP broadcasts rank 0's weights: all copies start equal. device_ids: this process's GPU (None on a
-    # CPU, where the tests run).
-    ddp_model = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
-    if hook := local_sgd(ddp_model, args):  # else DDP's own average
-        ddp_model.register_comm_hook(*hook)
+    ddp_model = data_parallel(model, args)
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     print0(layout_line(world_size, args, "gloo" if device.type == "cpu" else "nccl"))
     sampler = DistributedSampler(train_labels, num_replicas=world_size, rank=rank, seed=args.seed)
     seconds, history = 0.0, []
     for epoch in range(start_epoch, args.epochs):
-        # Each rank its own dropout masks; a resumed run an unbroken run's.
+        # Each rank draws its own dropout masks, and a resumed run draws those of an unbroken one.
         torch.manual_seed(args.seed + epoch * world_size + rank)
         batches = epoch_batches(sampler, epoch, args.batch_size, device)
         # Ranks in step here: DDP's set-up and each evaluation synchronise them.
@@ -133,7 +165,6 @@ def train(model, optimizer, data, rank, world_size, args):
         seconds += time.perf_counter() - start
         dist.all_reduce(train_loss)  # the sum of the ranks' mean losses
         test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
-        release_freed_memory()
         correct = f"{round(accuracy * n_test)}/{n_test} ({accuracy:.2%})"
         print0(f"Test set, epoch {epoch}: average loss {test_loss:.4f}, accuracy {correct}")
         loss = train_loss.item() / world_size
@@ -145,6 +176,12 @@ def train(model, optimizer, data, rank, world_size, args):
         test_loss, accuracy, n_test = evaluate(model, test_images, test_labels, rank, world_size, args)
     test = test_loss, accuracy, n_test
     report(args, device, history, seconds, len(train_labels), test, compress=args.compress)
+
+
+def epoch_batches(sampler, epoch, batch_size, device):
+    """This rank's batches, as index tensors: a DataLoader's with this sampler, minus per-image work."""
+    sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
+    return torch.tensor(list(sampler), device=device).split(batch_size)  # one copy to the GPU per epoch
 
 
 def train_epoch(model, optimizer, images, labels, batches, epoch, args):
@@ -175,66 +212,44 @@ def evaluate(model, images, labels, rank, world_size, args):
             totals[1] += (output.argmax(1) == y).sum()
             totals[2] += len(idx)
     dist.all_reduce(totals)
+    release_freed_memory()  # the heap kept for the training steps goes back until the next epoch
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(count)
 
 
-# ---- 5. Process group and DDP
-# Every process runs worker(): it joins the group and trains its own copy of the model on its shard;
-# DistributedDataParallel averages the gradients in backward(), so every copy takes the same step.
-def join_group(rank, world_size, args, listener=None):
-    """Join the process group over NCCL: every process of every machine meets at machine 0's store."""
-    # Rank 0 (under torchrun, its agent) serves a key-value store at --master-addr:--master-port; every
-    # process connects to it, as init_method="env://" would.
-    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    timeout = timedelta(seconds=args.timeout)  # how long to wait for the others, in collectives too
-    with rendezvous(rank, is_master, args, listener) as options:  # a failure: one line on every machine
-        store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
-        store, job = roll_call(store, rank, world_size, args)  # every process checks in, or all stop
-        # With device_id, NCCL connects inside init_process_group, not at DDP's first step.
-        gpu = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(
-            "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=gpu
-        )
-    return with_rank0s_files(job)  # every rank follows rank 0's files
+def save_checkpoint(model, optimizer, epoch, args):
+    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
+    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+    write_on_rank0(args, args.checkpoint, lambda f: torch.save(state, f))
 
 
+# ---- 7. The worker: join, train, leave
 def worker(local_rank, args, data, listener=None):
     rank, world_size = args.first_rank + local_rank, args.world_size
     torch.set_num_threads(args.threads)
-    keep_freed_memory()
     device = select_device(local_rank)
     job = join_group(rank, world_size, args, listener)  # args and the roll call's layout
     try:
-        job = try_the_group(world_size, device, job)  # across machines: the link timed, --compress auto taken
-        if job.check:
-            return
-        if data is None:  # local rank 0 fetches the files, the others wait
+        if data is None and not job.check:  # local rank 0 fetches the files, the others wait
             if local_rank == 0:
                 prepare_data(job)
             dist.barrier()
             data = load_data(job)
-        check_same_data(data, rank, device, job)  # else a machine with other files trains on them
+        job = try_the_group(world_size, device, data, job)  # rank 0's files; the data and the link checked
+        if job.check:
+            return
         torch.manual_seed(job.seed)  # the baseline script's initial weights
         model = ConvNet().to(device, memory_format=torch.channels_last)  # cuDNN's tensor cores' layout
-        keep_pool_gradient_channels_last(model)
         optimizer = optim.Adadelta(model.parameters(), lr=job.lr)
         train(model, optimizer, data, rank, world_size, job)
     except RuntimeError as e:
         exit_if_contact_lost(e, rank, job)  # a lost peer: one line, not a traceback
         raise
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # leave the group, however the run ends
 
 
-# ---- 6. Checkpoint
-def save_checkpoint(model, optimizer, epoch, args):
-    state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
-    state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-    on_rank0(args, write_atomically, args.checkpoint, lambda f: torch.save(state, f))
-
-
-# ---- 7. Launch and command line
+# ---- 8. Launch
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -249,7 +264,7 @@ def main(argv=None):
             return worker(args.local_rank, args, None)
         # Hold rank 0's rendezvous port; a one-machine job given none takes a free one: jobs never meet.
         listener, port = claim_port(args)
-        job = job_record(args, master_port=port)
+        job = argparse.Namespace(**vars(args) | dict(master_port=port))  # a record apart from the command's
         if not args.check:  # once per machine: workers fetching into one folder would race
             prepare_data(args)
         # Each spawned worker loads its own data (as fast as a copy: bench/README.md).
@@ -293,8 +308,8 @@ def build_parser():
     add("--machine-id", "this machine's index, from 0 (default: 0)", type=int)
     add("--master-addr", "machine 0's address (default: MASTER_ADDR, else 127.0.0.1)")
     add("--master-port", "port (default: MASTER_PORT, else 8892; one machine: a free one)", type=port_number)
-    local_sgd = "local-sgd: average the model every 64 steps; auto: for slow links (default: none)"
-    add("--compress", local_sgd, choices=["none", "local-sgd", "auto"], default="none")
+    compress = "local-sgd: average the model every 64 steps; auto: for slow links (default: none)"
+    add("--compress", compress, choices=["none", "local-sgd", "auto"], default="none")
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
     p.processes = "num_gpu_processes", max(1, torch.cuda.device_count())  # the flag, and its default
@@ -305,7 +320,8 @@ def build_parser():
 
 
 def select_device(local_rank):
-    """Made current: NCCL binds the rank to it."""
+    """Made current: NCCL binds the rank to it. glibc keeps the steps' freed host memory."""
+    keep_freed_memory()
     local_rank %= torch.cuda.device_count()  # srun --gpus-per-task=1 shows a task its one GPU as cuda:0
     torch.cuda.set_device(local_rank)
     torch.set_float32_matmul_precision("high")  # TF32, as cuDNN's convolutions
@@ -337,6 +353,15 @@ def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
     return f"gradients averaged {how}"
 
 
+def hook_gradients(ddp_model, args):
+    """The hooks on the model's gradients: strides as DDP's buckets hold them, max-pool's kept channels-last,
+    and local SGD's average (else DDP's own)."""
+    match_gradient_strides(ddp_model.module)
+    keep_pool_gradient_channels_last(ddp_model.module)
+    if hook := local_sgd(ddp_model, args):
+        ddp_model.register_comm_hook(*hook)
+
+
 def match_gradient_strides(model):
     """cuDNN gives conv1's weight gradient another stride on its size-1 dimension: DDP would warn ("Grad
     strides do not match") and copy it."""
@@ -354,7 +379,7 @@ def match_gradient_strides(model):
 # Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
 # where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
 # DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, prepare_backend,
-# averaging_words and worker.
+# averaging_words, worker, print0 and raw_folder.
 # ============================================================================================================
 
 
@@ -965,28 +990,33 @@ def probe(store, rank, args, m):
 LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies are averaged every 64 steps
 
 
-def try_the_group(world_size, device, args):
-    """Averages ones of the gradients' size: --check passes once they arrive. Across machines, times that
-    against a step's computing and names the --compress a slow link needs, which auto takes (every rank, from
-    the same figures). Returns args with the --compress taken."""
+def try_the_group(world_size, device, data, args):
+    """The group's first collectives: a machine with other data stops the job; --check passes once ones of
+    the gradients' size arrive; across machines that average is timed against a step's computing and the
+    --compress a slow link needs is named (auto takes it, on every rank from the same figures). Returns args
+    with rank 0's files and the --compress taken."""
+    if data is not None:  # else a machine with other files trains on them
+        check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
         compute, network, size = time_a_step(world_size, device, args)
     if args.check:
         machines = plural(args.num_machines, "machine")
         print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
-    if args.num_machines == 1:
-        return job_record(args, compress="none" if args.compress == "auto" else args.compress)
-    # DDP sends fc1's gradients while the backward computes the rest, about half a step.
-    waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
-    share = {c: wait / (compute + wait) for c, wait in waits.items()}
-    best = "local-sgd" if share["none"] > 1 / 4 else "none"
-    took = f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
-    advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-    line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
-    line += f"~{share['none']:.0%} of each step{advice}"
-    if args.check or args.compress == "auto" or args.compress == "none" != best:
-        print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
-    return job_record(args, compress=best if args.compress == "auto" else args.compress)
+    best = "none"
+    if args.num_machines > 1:
+        # DDP sends fc1's gradients while the backward computes the rest, about half a step.
+        waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
+        share = {c: wait / (compute + wait) for c, wait in waits.items()}
+        best = "local-sgd" if share["none"] > 1 / 4 else "none"
+        took = (
+            f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
+        )
+        advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
+        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
+        line += f"~{share['none']:.0%} of each step{advice}"
+        if args.check or args.compress == "auto" or args.compress == "none" != best:
+            print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
+    return job_record(with_rank0s_files(args), compress=best if args.compress == "auto" else args.compress)
 
 
 def time_a_step(world_size, device, args):
@@ -1035,10 +1065,6 @@ def local_sgd(ddp_model, args, clock=None):
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------
-
-
-def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
 
 
 def resume(model, optimizer, args):
@@ -1271,11 +1297,6 @@ def exit_at_once(end=0):
 # ---- S8. Memory, speed-ups and the run's figures -----------------------------------------------------------
 
 
-def print0(message):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
 def keep_freed_memory():
     """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
@@ -1323,19 +1344,23 @@ def report(args, device, history, seconds, samples, test, **averaging):
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
-    figures = dict(
-        script=os.path.basename(__file__), dataset=args.dataset, device=str(device), world_size=world_size,
-        epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size,
-        global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads(), amp=args.amp,
-        **averaging, train_seconds=seconds, total_seconds=total, samples_per_second=speed,
-        final_train_loss=history[-1]["train_loss"] if history else None, test_loss=test[0],
-        test_accuracy=test[1], test_samples=test[2],
-        peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history,
-    )  # fmt: skip
+    figures = dict(script=os.path.basename(__file__), dataset=args.dataset, device=str(device))
+    figures.update(world_size=world_size, epochs=args.epochs, epochs_trained=len(history))
+    figures.update(batch_size=args.batch_size, global_batch_size=args.batch_size * world_size)
+    figures.update(threads=torch.get_num_threads(), amp=args.amp, **averaging, train_seconds=seconds)
+    figures.update(total_seconds=total, samples_per_second=speed)
+    figures.update(final_train_loss=history[-1]["train_loss"] if history else None)
+    figures.update(test_loss=test[0], test_accuracy=test[1], test_samples=test[2])
+    figures.update(peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history)
     if args.metrics_json:
         text = json.dumps(figures, indent=2) + "\n"
-        on_rank0(args, write_atomically, args.metrics_json, lambda f: f.write(text.encode()))
+        write_on_rank0(args, args.metrics_json, lambda f: f.write(text.encode()))
     print0(f"Finished training in {seconds:.2f} secs")
+
+
+def write_on_rank0(args, path, write):
+    """Rank 0 writes path whole (write_atomically); a failure stops every rank."""
+    on_rank0(args, write_atomically, path, write)
 
 
 def peak_memory_mib():

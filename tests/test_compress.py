@@ -158,7 +158,7 @@ def test_check_passes_only_once_a_gradient_sized_average_arrived(clean_env, monk
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     with pytest.raises(dist.DistError):
-        convnet_distributed.try_the_group(2, torch.device("cpu"), args)
+        convnet_distributed.try_the_group(2, torch.device("cpu"), None, args)
     assert "Check passed" not in capsys.readouterr().out
 
 

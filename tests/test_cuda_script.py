@@ -101,7 +101,7 @@ def test_a_failed_check_names_nccl_which_the_script_uses(clean_env, monkeypatch)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "all_reduce", lambda tensor: None)  # one process's 1: the other's never came
     with pytest.raises(SystemExit) as exited:
-        cuda_script.try_the_group(2, torch.device("cpu"), args)
+        cuda_script.try_the_group(2, torch.device("cpu"), None, args)
     assert str(exited.value) == "error: the check summed 1 over 2 processes: NCCL lost some"
 
 
