@@ -994,7 +994,7 @@ def roll_call_record(rank, world_size, args):
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         box += f" {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
     with open(__file__, "rb") as f:
-        script = hashlib.file_digest(f, "sha256").hexdigest()[:12]
+        script = hashlib.sha256(f.read()).hexdigest()[:12]
     ids = dict(rank=rank, machine=args.machine_id, host=socket.gethostname(), pid=os.getpid(), box=box)
     return dict(ids, launch=args.launch_id, launcher=args.launcher, job=job, script=script)
 
@@ -1134,11 +1134,9 @@ def probe(store, rank, args, m, value):
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     try:
         at, host = value.decode().split() if len(value) < 300 else ()
-        port = port_number(at)
+        connection = socket.create_connection((address, port_number(at)), timeout=5)
     except (ValueError, argparse.ArgumentTypeError):  # port_number raises the second
         abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
-    try:
-        connection = socket.create_connection((address, port), timeout=5)
     except OSError as e:
         line = f"{here} cannot reach machine {m} ({host}) at {address} port {at} ({e.strerror or e})"
         line += ", though it reaches the rendezvous: open all TCP ports between the machines, or set"
