@@ -587,7 +587,7 @@ def watch_for_abort(own, done, real, rank, args):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket on the port (or a free one), bound but refusing connections till rank 0 serves."""
+    """Machine 0's socket on the port (or a free one), and the port: bound, refusing connections till used."""
     if args.machine_id != 0:
         return None, args.master_port
     try:
