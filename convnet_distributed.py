@@ -761,7 +761,7 @@ def watch_for_abort(own, done, real, rank, args):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket on the port (or a free one), and the port: bound, refusing connections till used."""
+    """Machine 0's socket and port (--master-port, or a free one): bound, not listening till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     try:
