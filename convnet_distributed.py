@@ -679,9 +679,7 @@ def launch_note(args):
 
 @contextlib.contextmanager
 def rendezvous(rank, is_master, args, listener):
-    """Around the join: yields TCPStore's options, rank 0 serving on claim_port's socket. Every wait hears
-    signals and --timeout; abort_job's line stops this process within a second; a failure to connect is one
-    line on every machine, and the backend's C++ log of each try is held back till the group is made."""
+    """Yields TCPStore's options. A failure is one line on every machine; C++'s log waits for the group."""
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0 claims it
         options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
@@ -699,7 +697,7 @@ def rendezvous(rank, is_master, args, listener):
             os.dup2(held.fileno(), 2)
             watcher.start()
             try:
-                if not is_master:  # once its own client is made, the story's connects at once
+                if not is_master:  # TCPStore's client waits in C++, deaf to signals, on a stopped machine 0
                     wait_for_machine0(own, rank, args)
                 yield options
             finally:
@@ -718,8 +716,6 @@ def rendezvous(rank, is_master, args, listener):
 
 
 def wait_for_machine0(own, rank, args):
-    """Waits in Python for the watcher's client: one of a machine 0 stopped after it listens waits in C++,
-    deaf to signals and to its own timeout."""
     line = f"error: rank {rank}: machine 0 at {args.master_addr}:{args.master_port}"
     for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {args.master_addr}:{args.master_port}"):
         if "store" in own:
@@ -730,11 +726,10 @@ def wait_for_machine0(own, rank, args):
 
 
 def watch_for_abort(own, done, real, rank, args):
-    """In a thread: a store client of this process's own (the backend may block its client in a call), then a
-    look every 0.5 s for abort_job's line, which stops this process."""
-    timeout = timedelta(seconds=args.timeout)
+    """In a thread, with a store client of its own (the backend's may be held in a call): abort_job's line."""
     try:
-        own["store"] = attempt_store(dist.TCPStore(args.master_addr, args.master_port, timeout=timeout), args)
+        store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
+        own["store"] = attempt_store(store, args)
     except (dist.DistError, OSError) as e:  # machine 0 went away
         own["error"] = e
     with contextlib.suppress(RuntimeError, KeyError):  # machine 0 went: the backend will say so itself
@@ -746,8 +741,7 @@ def watch_for_abort(own, done, real, rank, args):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket on the rendezvous port (or a free one), and the port: bound, held against other
-    launches, refusing connections (machine 1 waits in Python) till rank 0 serves."""
+    """Machine 0's socket and port (--master-port, or a free one): bound, not listening till rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     try:
@@ -755,7 +749,7 @@ def claim_port(args, listener=None, serve=False):
             hosts = [address[0] for *_, address in resolve(args, 0, connect=False)]
             one_host = args.num_machines == 1 and all(map(is_loopback, hosts))
             host = min(hosts, key=lambda h: ":" in h) if one_host else ""  # IPv4 first: ::1 may be off
-            listener = listening(args.master_port, host, listen=False)
+            listener = bound_socket(args.master_port, host)
         if serve:  # bound by another launch too (SO_REUSEADDR): the first to listen holds it
             listener.listen()
     except OSError as e:
@@ -771,16 +765,14 @@ def claim_port(args, listener=None, serve=False):
     return listener, listener.getsockname()[1]
 
 
-def listening(port, host="", listen=True):
-    """A socket on host, or every address (IPv6 and IPv4 where it can, as TCPStore); listening if listen."""
+def bound_socket(port, host=""):
+    """A socket bound to host, or to every address (IPv6 and IPv4 where it can, as TCPStore)."""
     dual = not host and socket.has_dualstack_ipv6()
     sock = socket.socket(socket.AF_INET6 if dual or ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, os.name == "posix")  # as socket.create_server
     if dual:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     sock.bind((host, port))
-    if listen:
-        sock.listen()
     return sock
 
 
@@ -823,8 +815,7 @@ def resolve(args, rank, connect):
 
 
 def waiting(rank, args, what, seconds=None):
-    """Yields every 0.1 s for seconds (--timeout), hearing signals; local rank 0 says what() it waits for
-    at 5 s, then every 30 s."""
+    """Yields every 0.1 s for seconds (--timeout); local rank 0 says what() it waits for at 5 s, each 30 s."""
     start, say, t = time.monotonic(), 5, args.timeout
     while (waited := time.monotonic() - start) < (seconds or t):
         if waited >= say and local_rank_of(rank, args) == 0:
@@ -872,8 +863,7 @@ def job_record(args, **decided):
 
 
 def roll_call(store, rank, world_size, args):
-    """Every process checks in, and rank 0 counts the machines, or all stop; then the backend is prepared and
-    every machine reaches the others. The store the job uses, and its record: args and what was decided."""
+    """Every process checks in, and rank 0 counts the machines, or all stop; the job's store and record."""
     store = attempt_store(store, args)
     me = roll_call_record(rank, world_size, args)
     me["address"], far = resolve(args, rank, connect=True)  # where the others reach us; where we reach 0
@@ -950,14 +940,12 @@ def wait_for_ready(store, rank, world_size, args, me, far):
         abort_job(store, rank, args, f"error: {line} {args.timeout:g} s: {fix}")
     ready = store.get("ready")
     with contextlib.suppress(TypeError, ValueError):  # else another program wrote "ready"
-        machine_of, addresses = from_json(ready)  # machine 0 on loopback (Debian's name): where we reached it
-        addresses = [far if is_loopback(a) else str(ipaddress.ip_address(a)) for a in addresses]
-        numbered = list(dict.fromkeys(machine_of)) == list(range(len(addresses)))  # in order of first rank
-        if len(machine_of) == world_size and numbered and all(type(m) is int for m in machine_of):
-            sizes = [machine_of.count(m) for m in range(len(addresses))]
-            return dict(
-                machine_id=machine_of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=addresses
-            )
+        of, ips = from_json(ready)  # machine 0 on loopback (Debian's name): where we reached it
+        ips = [far if is_loopback(a) else str(ipaddress.ip_address(a)) for a in ips]
+        numbered = list(dict.fromkeys(of)) == list(range(len(ips)))  # in order of first rank
+        if len(of) == world_size and numbered and all(type(m) is int for m in of):
+            sizes = [of.count(m) for m in range(len(ips))]
+            return dict(machine_id=of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=ips)
     abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
 
 
@@ -968,8 +956,7 @@ def stop_roll_call(store, rank, args, line):
 
 def read_record(store, rank, args, raw, me):
     """A roll call record, read from the store, which is unauthenticated: else the job stops."""
-    found = from_json(raw)
-    if is_record(found):
+    if is_record(found := from_json(raw)):
         return found
     if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
         line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
@@ -995,7 +982,7 @@ def roll_call_record(rank, world_size, args):
 def is_record(found):
     types = dict(rank=int, machine=int, pid=int, host=str, box=str, job=dict, script=str, address=str)
     types.update(launch=str | None, launcher=str | None)
-    ok = isinstance(found, dict) and all(k in found and isinstance(found[k], t) for k, t in types.items())
+    ok = isinstance(found, dict) and all(isinstance(found.get(k, ...), t) for k, t in types.items())
     return ok and isinstance(found["job"].get("model", []), list)
 
 
@@ -1044,9 +1031,8 @@ def claimed_twice(rank, first, second, args):
 
 def check_same_data(data, rank, device, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
-    once = local_rank_of(rank, args) == 0  # one machine's processes hold one copy: hash it once
     rows = torch.zeros(dist.get_world_size(), 5, dtype=torch.long, device=device)  # a rank's machine, digests
-    if once:  # the others' rows stay 0; 7 bytes of a SHA-256 tell copies apart
+    if local_rank_of(rank, args) == 0:  # a machine's one copy; 7 bytes of SHA-256 tell copies apart
         digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
         rows[rank] = torch.tensor([args.machine_id, *digests])
     dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
@@ -1099,41 +1085,38 @@ def reach_every_machine(store, rank, args):
                 connection.settimeout(5)
                 connection.sendall(connection.makefile("rb").read(PROBE_SIZE))
 
-    with listening(0) as listener:
+    with bound_socket(0) as listener:
+        listener.listen()
         listener.settimeout(1)  # accept() gives up after a second: the echo sees its listener closed
         threading.Thread(target=echo, daemon=True).start()
         store.set(f"probe/{args.machine_id}", f"{listener.getsockname()[1]} {socket.gethostname()}")
         with contextlib.suppress(dist.DistError):  # the store went: the backend will say
-            wait_for_machines(store, rank, args, "probe", others, wait)
             for m in others:
-                probe(store, rank, args, m)
+                probe(store, rank, args, m, at_check(store, rank, args, m, "probe", wait))
             store.set(f"probed/{args.machine_id}", "1")  # this machine listens until the others have tried
-            wait_for_machines(store, rank, args, "probed", others, wait)
+            for m in others:
+                at_check(store, rank, args, m, "probed", wait)
 
 
-def wait_for_machines(store, rank, args, key, others, wait):
-    """Waits till every other machine m has written key/m; else stops the job."""
+def at_check(store, rank, args, m, key, wait):
+    """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
     for _ in wait:
-        if store.check([f"{key}/{m}" for m in others]):
-            return
-    m = next(m for m in others if not store.check([f"{key}/{m}"]))
+        if store.check([f"{key}/{m}"]):
+            return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
 
 
-def probe(store, rank, args, m):
+def probe(store, rank, args, m, value):
     """Sends PROBE_SIZE bytes to machine m at its roll call address: they must come back, or the job stops."""
-    value = store.get(f"probe/{m}")
     address = args.addresses[m]
-    try:
-        at, host = value.decode().split() if len(value) < 300 else ()
-        port = port_number(at)
-    except (ValueError, argparse.ArgumentTypeError):  # port_number raises the second
-        abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     try:
-        connection = socket.create_connection((address, port), timeout=5)
+        at, host = value.decode().split() if len(value) < 300 else ()
+        connection = socket.create_connection((address, port_number(at)), timeout=5)
+    except (ValueError, argparse.ArgumentTypeError):  # port_number raises the second
+        abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
     except OSError as e:
         line = f"{here} cannot reach machine {m} ({host}) at {address} port {at} ({e.strerror or e})"
         line += ", though it reaches the rendezvous: open all TCP ports between the machines, or set"
