@@ -434,9 +434,7 @@ def test_check_makes_the_group_and_reports_each_machine(network, data_dir, tmp_p
         *machine_lines(network),
         "Check passed: 4 processes on 2 machines reached each other",
     ], lines
-    assert lines[-1].startswith("Network: averaging the gradients (1.2 MB) takes ~"), (
-        lines
-    )  # what a step will cost
+    assert lines[-1].startswith("Network: averaging the gradients (1.2 MB) took ~"), lines  # a step's cost
     assert results[1].stdout == ""
     assert not any((tmp_path / f"m{i}.json").exists() for i in range(2))  # nothing trained
     assert_namespaces_empty(network)
