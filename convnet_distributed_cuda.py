@@ -217,6 +217,11 @@ def evaluate(model, images, labels, rank, world_size, args):
     return loss_sum / count, correct / count, int(count)
 
 
+def release_freed_memory():
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def save_checkpoint(model, optimizer, epoch, args):
     state = dict(format=CHECKPOINT_FORMAT, epoch=epoch, dataset=args.dataset, args=vars(args))
     state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
@@ -1286,11 +1291,6 @@ def keep_freed_memory():
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB blocks from the heap
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB
-
-
-def release_freed_memory():
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def keep_pool_gradient_channels_last(model):
