@@ -821,10 +821,11 @@ def resolve(args, rank, connect):
 
 def waiting(rank, args, what, seconds=None):
     """Yields every 0.1 s for seconds (--timeout); local rank 0 says what() it waits for at 5 s, each 30 s."""
-    start, say, t = time.monotonic(), 5, args.timeout
-    while (waited := time.monotonic() - start) < (seconds or t):
+    start, say = time.monotonic(), 5  # when the wait began, when it speaks next
+    while (waited := time.monotonic() - start) < (seconds or args.timeout):
         if waited >= say and local_rank_of(rank, args) == 0:
-            print(f"{what()} ({max(0, t - waited):.0f} s left of --timeout {t:g} s)", flush=True)
+            left = f"{max(0, args.timeout - waited):.0f} s left of --timeout {args.timeout:g} s"
+            print(f"{what()} ({left})", flush=True)
             say = waited + 30
         yield
         time.sleep(0.1)
@@ -1041,7 +1042,8 @@ def check_same_data(data, rank, device, args):
         digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
         rows[rank] = torch.tensor([args.machine_id, *digests])
     dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
-    rows, names = rows.tolist(), ("training images", "training labels", "test images", "test labels")
+    names = ("training images", "training labels", "test images", "test labels")
+    rows = rows.tolist()
     for machine, *theirs in rows:
         if differ := ", ".join(n for n, a, b in zip(names, rows[0][1:], theirs) if b and a != b):
             line = f"error: machine {machine}'s {args.dataset} {differ} differ from machine 0's"
@@ -1324,7 +1326,8 @@ def file_version(path):
 
 def stop_line(stop, path, before, stopped=""):
     """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
-    line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
+    line = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped
+    now = file_version(path)
     if now is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
@@ -1340,14 +1343,14 @@ GROUPS_KEPT = []  # worker()'s groups, never freed: freeing one can deadlock (do
 def run_workers(args, data, nprocs, listener):
     """mp.spawn, with stops blocked as the workers start (fork's bookkeeping lost one) to raise_on_signals."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the worker's line says why
-    method, ctrl_c = START_METHOD, signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    if method == "spawn" and os.name == "posix":
+    ctrl_c = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    if START_METHOD == "spawn" and os.name == "posix":
         resource_tracker.ensure_running()  # spawn would start it, unblocking the signals
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
         context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=method
+            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=START_METHOD
         )
         raise_on_signals(ctrl_c)
         while not context.join():  # one failing, join stops the others
@@ -1578,11 +1581,14 @@ def cgroup_cpus():
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
         for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
             v1 = "cpu" in controllers.split(",")
-            for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
+            if controllers and not v1:  # another v1 controller's line
+                continue
+            names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+            for up in range(path.count("/") + 1):  # its cgroup, and those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
+                    for name in names:
                         with open(f"{folder}/{name}") as file:
                             text += file.read() + " "
                     quota, period = map(int, text.split())

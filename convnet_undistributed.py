@@ -120,7 +120,9 @@ def train(model, optimizer, data, args):
     start_epoch = resume(model, optimizer, args) if args.resume else 0
     threads = plural(args.threads, "thread") + (args.threads_from and f", from {args.threads_from}")
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging")
-    seconds, history, train_loss, n_test = 0.0, [], None, len(test_labels)
+    seconds, history = 0.0, []  # the training loop's time, each epoch's figures
+    train_loss = None
+    n_test = len(test_labels)
     for epoch in range(start_epoch, args.epochs):
         torch.manual_seed(args.seed + epoch)  # a resumed run's dropout masks: an unbroken run's
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
@@ -328,11 +330,14 @@ def cgroup_cpus():
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:  # none: not Linux
         for _, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):  # v2 names no controller
             v1 = "cpu" in controllers.split(",")
-            for up in range(path.count("/") + 1) if v1 or not controllers else ():  # its cgroup, those above
+            if controllers and not v1:  # another v1 controller's line
+                continue
+            names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
+            for up in range(path.count("/") + 1):  # its cgroup, and those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
                 text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    for name in ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]:
+                    for name in names:
                         with open(f"{folder}/{name}") as file:
                             text += file.read() + " "
                     quota, period = map(int, text.split())
@@ -404,7 +409,8 @@ def file_version(path):
 
 def stop_line(stop, path, before, stopped=""):
     """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
-    line, now = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped, file_version(path)
+    line = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped
+    now = file_version(path)
     if now is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
