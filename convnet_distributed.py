@@ -264,7 +264,6 @@ def worker(local_rank, args, data, listener=None):
 # ---- 8. Launch
 def main(argv=None):
     args = parse_args(argv)
-    check_gloo_socket_ifname()
     with exit_on_signal(args):  # Ctrl-C or SIGTERM stops all this launch's processes, in one line
         if args.rank is not None:  # a launcher started this process as one rank
             return worker(args.local_rank, args, None)
@@ -336,29 +335,20 @@ def build_parser():
 
 def prepare_backend(store, rank, world_size, args):
     """Point Gloo, unauthenticated, at loopback on one machine, else at the interface the others reach."""
-    count = args.processes_here
-    spans = world_size > count
+    spans = world_size > args.processes_here
     name = getenv("GLOO_SOCKET_IFNAME")
-    listed = interface_addresses()
+    listed = interface_addresses()  # None where nothing is listed: then Gloo says what is wrong
     found = listed or ({"lo0": ["127.0.0.1"]} if sys.platform == "darwin" else {})
+    if missing := [n for n in (name or "").split(",") if n and listed is not None and not listed.get(n)]:
+        have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(listed.items()))
+        line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {missing[0]} with an address here"
+        abort_job(None, rank, args, f"{line}: name one of {have}, on each machine its own")
     if spans:  # machine 0 learns from the others where they reach it
         store.set(f"far/{args.machine_id}", args.machine0_address)
     if not name and not spans:
         name = next((n for n, on in found.items() if on and is_loopback(on[0])), None)
     elif not name and listed is not None:
-        address = args.own_address  # the near end of a connection to machine 0: the others reach it
-        if is_loopback(address):  # machine 0, by a name on loopback: where machine 1 reached it
-            try:
-                raw = wait_for_key(store, rank, args, "far/1", "machine 1")
-                far = str(ipaddress.ip_address(raw.decode()))
-            except ValueError:
-                abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
-            address = address if is_loopback(far) else far  # both on one host: loopback
-        held = [n for n, on in found.items() if address in on]
-        if not held:
-            line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
-            abort_job(store, rank, args, f"{line}: set GLOO_SOCKET_IFNAME to the interface they reach")
-        name = min(held, key=lambda n: address != found[n][0])  # Gloo takes an interface's first address
+        name = interface_the_others_reach(store, rank, args, found)
     if name:
         os.environ["GLOO_SOCKET_IFNAME"] = name
         address = found.get(name.split(",")[0], ["its address"])[0]
@@ -370,9 +360,29 @@ def prepare_backend(store, rank, world_size, args):
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
     if local_rank_of(rank, args) == 0:
-        store.set(f"machine/{args.machine_id}", json.dumps([socket.gethostname(), count, name, address]))
+        store.set(
+            f"machine/{args.machine_id}",
+            json.dumps([socket.gethostname(), args.processes_here, name, address]),
+        )
     if rank == 0 and (spans or args.check):
         say_where_gloo_listens(store, rank, args)
+
+
+def interface_the_others_reach(store, rank, args, found):
+    """The interface holding the address the other machines reach this one at."""
+    address = args.own_address  # the near end of a connection to machine 0: the others reach it
+    if is_loopback(address):  # machine 0, by a name on loopback: where machine 1 reached it
+        try:
+            raw = wait_for_key(store, rank, args, "far/1", "machine 1")
+            far = str(ipaddress.ip_address(raw.decode()))
+        except ValueError:
+            abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
+        address = address if is_loopback(far) else far  # both on one host: loopback
+    held = [n for n, on in found.items() if address in on]
+    if not held:
+        line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
+        abort_job(store, rank, args, f"{line}: set GLOO_SOCKET_IFNAME to the interface they reach")
+    return min(held, key=lambda n: address != found[n][0])  # Gloo takes an interface's first address
 
 
 def say_where_gloo_listens(store, rank, args):
@@ -384,17 +394,6 @@ def say_where_gloo_listens(store, rank, args):
         except (TypeError, ValueError):
             abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
         print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
-
-
-def check_gloo_socket_ifname():
-    """One line, not Gloo's C++ exception."""
-    name = getenv("GLOO_SOCKET_IFNAME")
-    found = interface_addresses()
-    if name and found is not None:  # where nothing is listed, Gloo will say
-        for one in [n for n in name.split(",") if not found.get(n)]:
-            have = ", ".join(f"{n} ({' '.join(a) or 'no address'})" for n, a in sorted(found.items()))
-            line = f"error: GLOO_SOCKET_IFNAME={name}: no interface {one} with an address here"
-            sys.exit(f"{line}: name one of {have}, on each machine its own")
 
 
 def interface_addresses():

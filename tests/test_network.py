@@ -220,13 +220,14 @@ def test_a_system_that_cannot_list_its_interfaces_leaves_gloo_its_own_choice(cle
     no_netlink = types.SimpleNamespace(getifaddrs=lambda head: -1)  # as glibc's, with errno EAFNOSUPPORT
     monkeypatch.setattr(convnet_distributed.ctypes, "CDLL", lambda name: no_netlink)
     assert convnet_distributed.interface_addresses() is None
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # cannot be checked here: Gloo will say
-    convnet_distributed.check_gloo_socket_ifname()
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     store = {}
     fake_store = type(
         "Store", (), {"set": lambda self, k, v: store.__setitem__(k, v), "get": lambda self, k: store[k]}
     )
     args = convnet_distributed.parse_args(["--master-port", "1"])
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # cannot be checked here: Gloo will say
+    convnet_distributed.prepare_backend(fake_store(), 0, 1, args)
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth9"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     convnet_distributed.prepare_backend(fake_store(), 0, 1, args)
     assert "machine/0" in store and os.environ["GLOO_SOCKET_IFNAME"] == ""  # Gloo's own choice
