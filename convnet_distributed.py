@@ -1198,21 +1198,34 @@ def time_a_step(world_size, device, args):
 
 def local_sgd(ddp_model, args, clock=None):
     """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
-    before every LOCAL_SGD_PERIOD-th step the copies' average, copied in (docs/compat.md)."""
+    the copies' average, copied in (docs/compat.md), before every LOCAL_SGD_PERIOD-th step and before an
+    evaluation: the test set and the checkpoint see the job's model, not rank 0's copy."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
+    apart = [False]  # the copies stepped alone since their last average
 
-    def average(module, inputs):  # before a step's forward
+    def average():
+        start = time.perf_counter()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.all_reduce(flat.div_(dist.get_world_size()))
+        for p, mean in zip(params, flat.split([p.numel() for p in params])):
+            p.detach().copy_(mean.view_as(p))
+        apart[0] = False
+        if clock:
+            clock.waited += time.perf_counter() - start
+
+    def before_a_step(module, inputs):
         if (step := next(steps)) and step % LOCAL_SGD_PERIOD == 0:
-            start, flat = time.perf_counter(), torch.cat([p.detach().reshape(-1) for p in params])
-            dist.all_reduce(flat.div_(dist.get_world_size()))
-            for p, mean in zip(params, flat.split([p.numel() for p in params])):
-                p.detach().copy_(mean.view_as(p))
-            if clock:
-                clock.waited += time.perf_counter() - start
+            average()
+        apart[0] = True
 
-    ddp_model.register_forward_pre_hook(average)
+    def before_an_evaluation(module, inputs):  # every rank evaluates a batch at least
+        if apart[0] and not module.training:
+            average()
+
+    ddp_model.register_forward_pre_hook(before_a_step)
+    ddp_model.module.register_forward_pre_hook(before_an_evaluation)
     state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
     return state, post_localSGD_hook.post_localSGD_hook
 

@@ -75,7 +75,9 @@ def first_steps(rank, world_size):
         after = [p.detach().clone() for p in model.parameters()]
         steps.append({"weights": weights, "own": own, "used": [p.grad.clone() for p in model.parameters()]})
         steps[-1]["after"] = after
-    return {"steps": steps, "waited": clock.waited}
+    convnet_distributed.evaluate(model, *tensors()[2:], rank, world_size, args)  # the copies are apart
+    evaluated = [p.detach().clone() for p in model.parameters()]
+    return {"steps": steps, "waited": clock.waited, "evaluated": evaluated}
 
 
 def resumed_steps(rank, world_size, checkpoint):
@@ -125,11 +127,16 @@ def test_local_sgd_steps_each_copy_alone_then_averages_the_copies(ranks):
                 torch.testing.assert_close(w, average, rtol=1e-6, atol=1e-7)
                 assert w.dim() != 4 or w.is_contiguous(memory_format=torch.channels_last), NAMES[i]
     assert all(r["steps"]["waited"] > 0 for r in ranks[0])  # the clock counted the average
+    # An evaluation sees the job's model: the copies' average, not each rank its own copy.
+    evaluated = [r["steps"]["evaluated"] for r in ranks[0]]
+    for i, (a, b) in enumerate(zip(*evaluated)):
+        average = (steps[0][-1]["after"][i] + steps[1][-1]["after"][i]) / 2
+        assert torch.equal(a, b) and torch.allclose(a, average, rtol=1e-6, atol=1e-7), NAMES[i]
 
 
 def test_resume_under_local_sgd_starts_every_copy_from_rank_0s(ranks):
-    """The checkpoint holds rank 0's copy (the copies are apart between averages); a resumed run starts
-    every copy from it, and trains."""
+    """A checkpoint taken between averages holds rank 0's copy (train's comes after an evaluation, which
+    averages them); a resumed run starts every copy from it, and trains."""
     results, out = ranks
     for r in results:
         for saved, loaded in zip(results[0]["resume"]["saved"], r["resume"]["loaded"]):
