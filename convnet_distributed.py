@@ -929,11 +929,14 @@ def wait_for_ready(store, rank, world_size, args, me, far):
         return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {names}"
 
     for _ in waiting(rank, args, progress, float("inf") if rank else None):
-        if store.check(["ready"]):
+        if rank != 0 and store.check(["ready"]):
             break
         if rank == 0 and store.check(keys):
             records = [read_record(store, rank, args, store.get(key), me) for key in keys]
-            store.set("ready", json.dumps(count_machines(records, args)))
+            mine = json.dumps(count_machines(records, args))
+            if (held := store.compare_set("ready", "", mine)) != mine.encode():  # rank 0's word alone
+                abort_job(store, rank, args, bad_value(rank, "ready", held, args))
+            break
     else:  # rank 0 alone: the others wait for its word
         if args.launcher:
             fix = f"the launcher ({args.launcher}) started them all: see its output for the others"
@@ -1081,27 +1084,34 @@ def reach_every_machine(store, rank, args):
     """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or local_rank_of(rank, args) != 0:
         return
-    others = [m for m in range(args.num_machines) if m != args.machine_id]
+    n = args.num_machines  # each machine probes the next ones first: machine 0 is not everyone's first
+    others = [(args.machine_id + k) % n for k in range(1, n)]
     # One wait, within --timeout, for both steps: machines that arrive apart meet.
     wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
 
-    def echo():  # sends each connection's bytes back once all are in, till the listener closes
+    def echo(connection):  # sends the connection's bytes back once all are in
+        with connection, contextlib.suppress(OSError):
+            connection.settimeout(5)
+            connection.sendall(connection.makefile("rb").read(PROBE_SIZE))
+
+    def serve():  # each connection in a thread of its own, till the listener closes: a stalled one holds none
         while listener.fileno() != -1:
-            with contextlib.suppress(OSError), listener.accept()[0] as connection:
-                connection.settimeout(5)
-                connection.sendall(connection.makefile("rb").read(PROBE_SIZE))
+            with contextlib.suppress(OSError):
+                threading.Thread(target=echo, args=(listener.accept()[0],), daemon=True).start()
 
     with bound_socket(0) as listener:
         listener.listen()
-        listener.settimeout(1)  # accept() gives up after a second: the echo sees its listener closed
-        threading.Thread(target=echo, daemon=True).start()
+        listener.settimeout(1)  # accept() gives up after a second: serve sees its listener closed
+        threading.Thread(target=serve, daemon=True).start()
         store.set(f"probe/{args.machine_id}", f"{listener.getsockname()[1]} {socket.gethostname()}")
-        with contextlib.suppress(dist.DistError):  # the store went: the backend will say
+        try:
             for m in others:
                 probe(store, rank, args, m, at_check(store, rank, args, m, "probe", wait))
             store.set(f"probed/{args.machine_id}", "1")  # this machine listens until the others have tried
             for m in others:
                 at_check(store, rank, args, m, "probed", wait)
+        except dist.DistError as e:  # the store went: machine 0 stopped
+            abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
 
 
 def at_check(store, rank, args, m, key, wait):
@@ -1109,6 +1119,8 @@ def at_check(store, rank, args, m, key, wait):
     for _ in wait:
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
+    if store.check([f"{key}/{m}"]):  # the wait, shared by every step, may have ended before this one looked
+        return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
@@ -1134,6 +1146,7 @@ def probe(store, rank, args, m, value):
         back = connection.makefile("rb").read(PROBE_SIZE)
     if len(back) != PROBE_SIZE:
         lost = f"{PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+        lost += f": machine {m} is stopped or overloaded, or"
         fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
         abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
 
