@@ -534,7 +534,7 @@ def rendezvous(rank, is_master, args, listener):
     watcher = threading.Thread(target=watch_for_abort, args=(own, done, real, rank, args), daemon=True)
     sys.stderr.flush()
     try:
-        with tempfile.TemporaryFile() as held:
+        with tempfile.TemporaryFile() as held, signals_heard_in_cpp():
             os.dup2(held.fileno(), 2)
             watcher.start()
             try:
@@ -554,6 +554,31 @@ def rendezvous(rank, is_master, args, listener):
         abort_job(own.get("store"), rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
     finally:
         os.close(real)
+
+
+@contextlib.contextmanager
+def signals_heard_in_cpp():
+    """Ctrl-C and SIGTERM end this process even while its main thread waits in C++, deaf to them (a store call
+    to a machine 0 stopped after it answered): Python's handler writes the signal on a pipe a thread reads."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    before = None
+    with contextlib.suppress(ValueError):  # not the main thread: no handler of ours runs there
+        before = signal.set_wakeup_fd(write)
+    threading.Thread(target=exit_if_unheard, args=(read,), daemon=True).start()
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.set_wakeup_fd(before)
+        os.close(write)  # the thread reads the end, and returns
+
+
+def exit_if_unheard(read):
+    with open(read, "rb", buffering=0) as pipe:
+        if signum := pipe.read(1):
+            time.sleep(3)  # the main thread stops the process itself where it can, with its line
+            exit_at_once(128 + signum[0])
 
 
 def wait_for_machine0(own, rank, args):

@@ -215,6 +215,27 @@ def test_a_waiting_machine_says_what_it_waits_for_every_30_s(data_dir):
         assert left >= timeout - 6 and gap > 20, lines
 
 
+@pytest.mark.timeout(180)
+def test_a_machine_0_stopped_during_the_roll_call_leaves_machine_1_stoppable(data_dir):
+    """Machine 1 waiting for the others polls the store; machine 0 stopped (SIGSTOP) after it answered held
+    that call in C++, where SIGTERM went unheard: machine 1 ran on till killed. Now it exits 143 at once."""
+    port = free_port()
+    machines = [
+        job(data_dir, "--check", processes=1, machines=3, machine=m, port=port, timeout=120) for m in (0, 1)
+    ]
+    try:
+        wait_for_line(machines[1], "Waiting for all 3 processes to join", 90)
+        os.killpg(machines[0].pid, signal.SIGSTOP)
+        time.sleep(2)  # machine 1 polls the stopped store
+        os.killpg(machines[1].pid, signal.SIGTERM)
+        result = finish(machines[1], timeout=20)
+    finally:
+        os.killpg(machines[0].pid, signal.SIGKILL)
+        os.killpg(machines[0].pid, signal.SIGCONT)
+    assert result.returncode == 143, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.alone  # under load, machine 1 named its other rank's "lost contact" before the killed worker
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_rank_stops_the_whole_job(data_dir, victim):
