@@ -561,9 +561,9 @@ def signals_heard_in_cpp():
     """Ctrl-C and SIGTERM end this process even while its main thread waits in C++, deaf to them (a store call
     to a machine 0 stopped after it answered): Python's handler writes the signal on a pipe a thread reads."""
     read, write = os.pipe()
-    os.set_blocking(write, False)
     before = None
-    with contextlib.suppress(ValueError):  # not the main thread: no handler of ours runs there
+    with contextlib.suppress(ValueError, AttributeError):  # not the main thread; Windows: no such pipe
+        os.set_blocking(write, False)
         before = signal.set_wakeup_fd(write)
     threading.Thread(target=exit_if_unheard, args=(read,), daemon=True).start()
     try:
