@@ -392,8 +392,8 @@ def match_gradient_strides(model):
 
 
 # Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
-# mpirun pass SLURM's on). Each one's variables of this process's rank, the world size, the local rank, the
-# processes on its machine, the machine's index, the machines ("-": it sets none), then its launch's names.
+# mpirun pass SLURM's on). Its variables in Launcher's order, the last ones its launch's ("-": it sets none).
+Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
 LAUNCHER_VARIABLES = {
     # Its nodes may run different numbers of processes: GROUP_WORLD_SIZE counts the nodes.
     "torchrun": "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE TORCHELASTIC_RUN_ID",
@@ -408,8 +408,7 @@ LAUNCHER_VARIABLES = {
     # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
     "RANK and WORLD_SIZE": "RANK WORLD_SIZE - - RANK WORLD_SIZE",
 }
-Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
-LAUNCHERS = [  # as records: None where a launcher sets no such variable
+LAUNCHERS = [
     Launcher(name, *[None if v == "-" else v for v in variables.split()[:6]], variables.split()[6:])
     for name, variables in LAUNCHER_VARIABLES.items()
 ]
@@ -725,10 +724,6 @@ MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id",
 SCRIPT = os.path.basename(__file__)
 
 
-def job_record(args, **decided):
-    return argparse.Namespace(**{**vars(args), **decided})
-
-
 def roll_call(store, rank, world_size, args):
     """Every process checks in, and rank 0 counts the machines, or all stop; the job's store and record."""
     store = attempt_store(store, args)
@@ -748,7 +743,7 @@ def roll_call(store, rank, world_size, args):
         machines = wait_for_ready(store, rank, world_size, args, me, far)
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
-    job = job_record(args, **machines, own_address=me["address"], machine0_address=far)
+    job = argparse.Namespace(**vars(args) | machines | dict(own_address=me["address"], machine0_address=far))
     prepare_backend(store, rank, world_size, job)  # where the other machines reach this one
     reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
     return store, job
@@ -882,15 +877,16 @@ def count_machines(records, args):
     return machine_of, [records[machine_of.index(m)]["address"] for m in range(len(index))]
 
 
-def with_rank0s_files(args):
-    """args with rank 0's file flags, for the others to follow; another machine's own go unused, said once."""
+def with_rank0s_files(args, **decided):
+    """A record of args, decided and rank 0's file flags; another machine's own go unused, said once."""
     said = [{k: getattr(args, k) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
     unused = ", ".join(flag_words(k, v) for k in RANK0_FLAGS if (v := getattr(args, k)) and v != said[0][k])
     if unused and args.machine_id != 0 and local_rank_of(dist.get_rank(), args) == 0:
         line = f"machine {args.machine_id}: {unused} not used here: machine 0's command names the files"
         print(f"warning: {line}", file=sys.stderr)
-    return args if dist.get_rank() == 0 else job_record(args, **{k: bool(v) for k, v in said[0].items()})
+    files = {} if dist.get_rank() == 0 else {k: bool(v) for k, v in said[0].items()}
+    return argparse.Namespace(**vars(args) | decided | files)
 
 
 def claimed_twice(rank, first, second, args):
@@ -1044,7 +1040,7 @@ def try_the_group(world_size, device, data, args):
         line += f"~{share['none']:.0%} of each step{advice}"
         if args.check or args.compress == "auto" or args.compress == "none" != best:
             print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
-    return job_record(with_rank0s_files(args), compress=best if args.compress == "auto" else args.compress)
+    return with_rank0s_files(args, compress=best if args.compress == "auto" else args.compress)
 
 
 def time_a_step(world_size, device, args):
