@@ -505,9 +505,8 @@ def launcher_number(parser, launcher, variable, default=None, index=0):
 def launch_note(args):
     """What the layout line says of the launcher."""
     nodes = plural(args.num_machines, "node")
-    if args.launcher == "torchrun":
-        restart = getenv("TORCHELASTIC_RESTART_COUNT", "0")
-        return "torchrun" + (f", restart {restart}" if restart != "0" else "")
+    if args.launcher == "torchrun" and (restart := getenv("TORCHELASTIC_RESTART_COUNT", "0")) != "0":
+        return f"torchrun, restart {restart}"
     if args.launcher == "SLURM":
         tasks = plural(args.world_size, "task")
         return f"SLURM: {nodes}, one task each" if args.rank is None else f"SLURM: {tasks} on {nodes}"
@@ -557,13 +556,12 @@ def rendezvous(rank, is_master, args, listener):
 
 @contextlib.contextmanager
 def signals_heard_in_cpp():
-    """Ctrl-C and SIGTERM end this process even while its main thread waits in C++, deaf to them (a store call
-    to a machine 0 stopped after it answered): Python's handler writes the signal on a pipe a thread reads."""
+    """Ctrl-C and SIGTERM end the process even while its main thread waits, deaf to them, in a store call."""
     read, write = os.pipe()
     before = None
     with contextlib.suppress(ValueError, AttributeError):  # not the main thread; Windows: no such pipe
         os.set_blocking(write, False)
-        before = signal.set_wakeup_fd(write)
+        before = signal.set_wakeup_fd(write)  # Python's handler writes each signal here, for a thread
     threading.Thread(target=exit_if_unheard, args=(read,), daemon=True).start()
     try:
         yield
@@ -731,10 +729,9 @@ def roll_call(store, rank, world_size, args):
     me["address"], far = resolve(args, rank, connect=True)  # where the others reach us; where we reach 0
     mine = json.dumps(me)
     try:
-        job = me  # rank 0's record is the job's
-        if rank != 0:
+        if rank != 0:  # rank 0's record is the job's
             job = read_record(store, rank, args, wait_for_key(store, rank, args, "job", "rank 0"), me)
-        check_one_job(store, rank, args, job, me)
+            check_one_job(store, rank, args, job, me)
         keys = ["job", "rank/0"] if rank == 0 else [f"rank/{rank}"]  # "job" first: a second rank 0 finds it
         for key in keys:
             if (held := store.compare_set(key, "", mine)) != mine.encode():
@@ -786,13 +783,12 @@ def wait_for_ready(store, rank, world_size, args, me, far):
         return f"{world_size - len(gone)} of {world_size} processes have joined; waiting for {kind} {names}"
 
     for _ in waiting(rank, args, progress, float("inf") if rank else None):
-        if rank != 0 and store.check(["ready"]):
-            break
-        if rank == 0 and store.check(keys):
-            records = [read_record(store, rank, args, store.get(key), me) for key in keys]
-            mine = json.dumps(count_machines(records, args))
-            if (held := store.compare_set("ready", "", mine)) != mine.encode():  # rank 0's word alone
-                abort_job(store, rank, args, bad_value(rank, "ready", held, args))
+        if store.check(keys if rank == 0 else ["ready"]):
+            if rank == 0:
+                records = [read_record(store, rank, args, store.get(key), me) for key in keys]
+                mine = json.dumps(count_machines(records, args))
+                if (held := store.compare_set("ready", "", mine)) != mine.encode():  # rank 0's word alone
+                    abort_job(store, rank, args, bad_value(rank, "ready", held, args))
             break
     else:  # rank 0 alone: the others wait for its word
         if args.launcher:
