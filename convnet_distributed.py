@@ -606,7 +606,7 @@ def parse_args(argv=None):
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
     # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
     cpus = launched and launcher.name == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
-    # Rank 0's command alone names the job's files (rank0_files): only its machine checks them.
+    # Rank 0's command alone names the job's files: only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
     # torchrun sets OMP_NUM_THREADS=1 where the user set none: then its own start-up environment has none.
     torchrun_omp = False  # not Linux: the user's
