@@ -713,10 +713,8 @@ def attempt_store(store, args):
 
 
 # Flags that must agree on every machine (the first four: the layout), rank 0's alone, each machine's own.
-JOB_FLAGS = tuple(
-    "world_size num_machines num_processes num_gpu_processes dataset batch_size epochs lr seed amp allreduce "
-    "compress check torch model backend".split()
-)
+JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size")
+JOB_FLAGS += ("epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model", "backend")
 RANK0_FLAGS = ("checkpoint", "resume", "metrics_json")
 MACHINE_FLAGS = ("data_dir", "log_interval", "threads", "timeout", "machine_id", "master_addr", "master_port")
 SCRIPT = os.path.basename(__file__)
