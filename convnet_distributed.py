@@ -360,10 +360,8 @@ def prepare_backend(store, rank, world_size, args):
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
     if local_rank_of(rank, args) == 0:
-        store.set(
-            f"machine/{args.machine_id}",
-            json.dumps([socket.gethostname(), args.processes_here, name, address]),
-        )
+        here = json.dumps([socket.gethostname(), args.processes_here, name, address])
+        store.set(f"machine/{args.machine_id}", here)
     if rank == 0 and (spans or args.check):
         say_where_gloo_listens(store, rank, args)
 
@@ -483,9 +481,8 @@ class SharedMemoryAverager:
 
 
 class Averaging:
-    """How DDP averages the gradients: in shared memory on one machine (rank 0 says if /dev/shm lacks the
-    room), else over Gloo. Its hooks keep max-pool's gradient channels-last and add up the time from each
-    step's last gradient (its last bucket's call) to the last average's arrival: the wait not hidden."""
+    """DDP's average: in shared memory on one machine (rank 0 says if /dev/shm lacks room), else over Gloo;
+    it adds up the wait not hidden, from each step's last bucket's call to its average's arrival."""
 
     since, waited = None, 0.0  # this step's last call, and the time waited so far
 
@@ -1141,11 +1138,9 @@ def reach_every_machine(store, rank, args):
 
 def at_check(store, rank, args, m, key, wait):
     """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
-    for _ in wait:
+    for _ in itertools.chain(wait, [None]):  # one look more: the shared wait may have ended before this step
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
-    if store.check([f"{key}/{m}"]):  # the wait, shared by every step, may have ended before this one looked
-        return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
@@ -1182,10 +1177,8 @@ LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies
 
 
 def try_the_group(world_size, device, data, args):
-    """The group's first collectives: a machine with other data stops the job; --check passes once ones of
-    the gradients' size arrive; across machines that average is timed against a step's computing and the
-    --compress a slow link needs is named (auto takes it, on every rank from the same figures). Returns args
-    with rank 0's files and the --compress taken."""
+    """The first collectives: the data compared, --check's average, across machines the link timed and the
+    --compress it needs (auto takes it, all ranks from the same figures); returns args with rank 0's files."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1199,12 +1192,10 @@ def try_the_group(world_size, device, data, args):
         waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
         share = {c: wait / (compute + wait) for c, wait in waits.items()}
         best = "local-sgd" if share["none"] > 1 / 4 else "none"
-        took = (
-            f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
-        )
-        advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
-        line += f"~{share['none']:.0%} of each step{advice}"
+        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms"
+        line += f" (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: waiting would"
+        line += f" take ~{share['none']:.0%} of each step"
+        line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
         if args.check or args.compress == "auto" or args.compress == "none" != best:
             print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
     return job_record(with_rank0s_files(args), compress=best if args.compress == "auto" else args.compress)
@@ -1235,9 +1226,8 @@ def time_a_step(world_size, device, args):
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
-    the copies' average, copied in (docs/compat.md), before every LOCAL_SGD_PERIOD-th step and before an
-    evaluation: the test set and the checkpoint see the job's model, not rank 0's copy."""
+    """--compress local-sgd: torch's hook and state (else None); the copies averaged (docs/compat.md) before
+    every LOCAL_SGD_PERIOD-th step and each evaluation: the test and checkpoint see the job's model."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
@@ -1559,7 +1549,6 @@ def report(args, device, history, seconds, samples, test, **averaging):
 
 
 def write_on_rank0(args, path, write):
-    """Rank 0 writes path whole (write_atomically); a failure stops every rank."""
     on_rank0(args, write_atomically, path, write)
 
 

@@ -334,12 +334,11 @@ def select_device(local_rank):
 
 
 def prepare_backend(store, rank, world_size, args):
-    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine; two ranks on one GPU: one
-    line, not NCCL's "Duplicate GPU detected" (the UUID tells apart GPUs each process sees as cuda:0)."""
+    """NCCL's bootstrap, unauthenticated, on loopback in a one-machine job; two ranks on one GPU: one line."""
     if world_size == args.processes_here and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
     index = torch.cuda.current_device()
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # apart where each sees cuda:0
     host = socket.gethostname()
     mine = str(rank).encode()
     if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
@@ -359,8 +358,7 @@ def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
 
 
 def hook_gradients(ddp_model, args):
-    """The hooks on the model's gradients: strides as DDP's buckets hold them, max-pool's kept channels-last,
-    and local SGD's average (else DDP's own)."""
+    """Gradients in their parameters' strides, max-pool's channels-last; local SGD's average, else DDP's."""
     match_gradient_strides(ddp_model.module)
     keep_pool_gradient_channels_last(ddp_model.module)
     if hook := local_sgd(ddp_model, args):
@@ -368,8 +366,7 @@ def hook_gradients(ddp_model, args):
 
 
 def match_gradient_strides(model):
-    """cuDNN gives conv1's weight gradient another stride on its size-1 dimension: DDP would warn ("Grad
-    strides do not match") and copy it."""
+    """cuDNN strides conv1's weight gradient its own way: else DDP warns ("Grad strides do not match")."""
 
     def restated(grad, p):  # only size-1 dimensions' strides differ: each element keeps its offset
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
@@ -978,11 +975,9 @@ def reach_every_machine(store, rank, args):
 
 def at_check(store, rank, args, m, key, wait):
     """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
-    for _ in wait:
+    for _ in itertools.chain(wait, [None]):  # one look more: the shared wait may have ended before this step
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
-    if store.check([f"{key}/{m}"]):  # the wait, shared by every step, may have ended before this one looked
-        return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
@@ -1019,10 +1014,8 @@ LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies
 
 
 def try_the_group(world_size, device, data, args):
-    """The group's first collectives: a machine with other data stops the job; --check passes once ones of
-    the gradients' size arrive; across machines that average is timed against a step's computing and the
-    --compress a slow link needs is named (auto takes it, on every rank from the same figures). Returns args
-    with rank 0's files and the --compress taken."""
+    """The first collectives: the data compared, --check's average, across machines the link timed and the
+    --compress it needs (auto takes it, all ranks from the same figures); returns args with rank 0's files."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1036,12 +1029,10 @@ def try_the_group(world_size, device, data, args):
         waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
         share = {c: wait / (compute + wait) for c, wait in waits.items()}
         best = "local-sgd" if share["none"] > 1 / 4 else "none"
-        took = (
-            f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
-        )
-        advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
-        line += f"~{share['none']:.0%} of each step{advice}"
+        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms"
+        line += f" (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: waiting would"
+        line += f" take ~{share['none']:.0%} of each step"
+        line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
         if args.check or args.compress == "auto" or args.compress == "none" != best:
             print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
     return job_record(with_rank0s_files(args), compress=best if args.compress == "auto" else args.compress)
@@ -1072,9 +1063,8 @@ def time_a_step(world_size, device, args):
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
-    the copies' average, copied in (docs/compat.md), before every LOCAL_SGD_PERIOD-th step and before an
-    evaluation: the test set and the checkpoint see the job's model, not rank 0's copy."""
+    """--compress local-sgd: torch's hook and state (else None); the copies averaged (docs/compat.md) before
+    every LOCAL_SGD_PERIOD-th step and each evaluation: the test and checkpoint see the job's model."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
@@ -1396,7 +1386,6 @@ def report(args, device, history, seconds, samples, test, **averaging):
 
 
 def write_on_rank0(args, path, write):
-    """Rank 0 writes path whole (write_atomically); a failure stops every rank."""
     on_rank0(args, write_atomically, path, write)
 
 
