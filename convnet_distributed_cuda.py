@@ -1002,10 +1002,9 @@ def probe(store, rank, args, m, value):
         connection.sendall(bytes(PROBE_SIZE))
         back = connection.makefile("rb").read(PROBE_SIZE)
     if len(back) != PROBE_SIZE:
-        lost = f"{PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
-        lost += f": machine {m} is stopped or overloaded, or"
-        fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
-        abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
+        lost = f"{here}: {PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+        lost += f": machine {m} is stopped or overloaded, or the path drops large packets: check its MTU"
+        abort_job(store, rank, args, f"{lost} (ping -M do -s 1472 {address}; -s 8972 for 9000-byte frames)")
 
 
 # ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
