@@ -362,8 +362,14 @@ def prepare_backend(store, rank, world_size, args):
     if local_rank_of(rank, args) == 0:
         here = json.dumps([socket.gethostname(), args.processes_here, name, address])
         store.set(f"machine/{args.machine_id}", here)
-    if rank == 0 and (spans or args.check):
-        say_where_gloo_listens(store, rank, args)
+    if rank == 0 and (spans or args.check):  # each machine's host, processes, and where its Gloo listens
+        for machine in range(args.num_machines):
+            raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
+            try:
+                host, n, on, at = from_json(raw)
+            except (TypeError, ValueError):
+                abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
+            print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
 def interface_the_others_reach(store, rank, args, found):
@@ -381,17 +387,6 @@ def interface_the_others_reach(store, rank, args, found):
         line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
         abort_job(store, rank, args, f"{line}: set GLOO_SOCKET_IFNAME to the interface they reach")
     return min(held, key=lambda n: address != found[n][0])  # Gloo takes an interface's first address
-
-
-def say_where_gloo_listens(store, rank, args):
-    """Rank 0 names each machine's host, its processes, and the interface and address its Gloo listens on."""
-    for machine in range(args.num_machines):
-        raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
-        try:
-            host, n, on, at = from_json(raw)
-        except (TypeError, ValueError):
-            abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-        print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
 def interface_addresses():
