@@ -482,7 +482,7 @@ class Averaging:
     since, waited = None, 0.0  # this step's last call, and the time waited so far
 
     def __init__(self, model, rank, world_size, args):
-        self.model, self.args, self.averager = model, args, None
+        self.args, self.averager = args, None
         if averages_in_shared_memory(args, world_size):
             try:
                 self.averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
@@ -491,7 +491,7 @@ class Averaging:
         self.how = "shared-memory" if self.averager else "gloo"
 
     def hook_into(self, ddp_model):
-        keep_pool_gradient_channels_last(self.model)
+        keep_pool_gradient_channels_last(ddp_model.module)
         if self.averager:
             self.state, self.hook = self.averager, SharedMemoryAverager.average
         else:  # torch's hooks: local SGD's, or DDP's plain average
