@@ -291,7 +291,6 @@ def main(argv=None):
 
 
 def select_device(local_rank):
-    """The CPU, with glibc told to keep the steps' freed memory."""
     keep_freed_memory()
     return torch.device("cpu")
 
@@ -1212,8 +1211,7 @@ def time_a_step(world_size, device, args):
         seconds.append([computed - start, time.perf_counter() - computed])
     if not grads.eq(world_size).all():
         sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
-    # The fastest of 3 (the first sets up); of the ranks, the slowest computing and the average as the last to
-    # arrive saw it (the others waited for it too): one maximum, the average negated.
+    # Best of 3; one MAX over ranks: the slowest computing, the last arrival's (shortest) average negated.
     fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
     dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
     return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
@@ -1455,10 +1453,8 @@ def raise_on_signals(ctrl_c):
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
         time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
-        sys.exit(
-            f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
-            f"or did not answer within --timeout {args.timeout:g} s"
-        )
+        line = f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped"
+        sys.exit(f"{line}, or did not answer within --timeout {args.timeout:g} s")
 
 
 def exit_at_once(end=0):
