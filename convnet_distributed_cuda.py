@@ -338,7 +338,7 @@ def prepare_backend(store, rank, world_size, args):
     if world_size == args.processes_here and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
     index = torch.cuda.current_device()
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # apart where each sees cuda:0
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # each cuda:0 told apart
     host = socket.gethostname()
     mine = str(rank).encode()
     if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
