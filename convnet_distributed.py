@@ -1381,9 +1381,8 @@ def run_workers(args, data, nprocs, listener):
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
-        context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=START_METHOD
-        )
+        inputs = (args, data, listener, ctrl_c)
+        context = mp.start_processes(spawned_worker, inputs, nprocs, join=False, start_method=START_METHOD)
         raise_on_signals(ctrl_c)
         while not context.join():  # one failing, join stops the others
             pass
