@@ -1218,8 +1218,8 @@ def time_a_step(world_size, device, args):
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook and state (else None); the copies averaged (docs/compat.md) before
-    every LOCAL_SGD_PERIOD-th step and each evaluation: the test and checkpoint see the job's model."""
+    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
+    copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
