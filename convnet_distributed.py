@@ -1506,12 +1506,10 @@ def layout_line(world_size, args, allreduce):
     each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else each
     threads = f", from {args.threads_from}" if args.threads_from else ""
     note = f" ({args.launch_note})" if args.launch_note else ""
-    return (
-        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
-        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
-        f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
-        f"{averaging_words(allreduce, args)}{note}"
-    )
+    line = f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
+    line += f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
+    line += f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
+    return line + f"{averaging_words(allreduce, args)}{note}"
 
 
 def report(args, device, history, seconds, samples, test, **averaging):
