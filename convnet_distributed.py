@@ -291,7 +291,6 @@ def main(argv=None):
 
 
 def select_device(local_rank):
-    """The CPU, with glibc told to keep the steps' freed memory."""
     keep_freed_memory()
     return torch.device("cpu")
 
@@ -360,12 +359,16 @@ def prepare_backend(store, rank, world_size, args):
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
     if local_rank_of(rank, args) == 0:
-        store.set(
-            f"machine/{args.machine_id}",
-            json.dumps([socket.gethostname(), args.processes_here, name, address]),
-        )
-    if rank == 0 and (spans or args.check):
-        say_where_gloo_listens(store, rank, args)
+        here = json.dumps([socket.gethostname(), args.processes_here, name, address])
+        store.set(f"machine/{args.machine_id}", here)
+    if rank == 0 and (spans or args.check):  # each machine's host, processes, and where its Gloo listens
+        for machine in range(args.num_machines):
+            raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
+            try:
+                host, n, on, at = from_json(raw)
+            except (TypeError, ValueError):
+                abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
+            print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
 def interface_the_others_reach(store, rank, args, found):
@@ -383,17 +386,6 @@ def interface_the_others_reach(store, rank, args, found):
         line = f"error: rank {rank}: the others reach {address}, held by no interface here (a NAT?)"
         abort_job(store, rank, args, f"{line}: set GLOO_SOCKET_IFNAME to the interface they reach")
     return min(held, key=lambda n: address != found[n][0])  # Gloo takes an interface's first address
-
-
-def say_where_gloo_listens(store, rank, args):
-    """Rank 0 names each machine's host, its processes, and the interface and address its Gloo listens on."""
-    for machine in range(args.num_machines):
-        raw = wait_for_key(store, rank, args, f"machine/{machine}", f"machine {machine}")
-        try:
-            host, n, on, at = from_json(raw)
-        except (TypeError, ValueError):
-            abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
-        print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
 def interface_addresses():
@@ -483,14 +475,13 @@ class SharedMemoryAverager:
 
 
 class Averaging:
-    """How DDP averages the gradients: in shared memory on one machine (rank 0 says if /dev/shm lacks the
-    room), else over Gloo. Its hooks keep max-pool's gradient channels-last and add up the time from each
-    step's last gradient (its last bucket's call) to the last average's arrival: the wait not hidden."""
+    """DDP's average: in shared memory on one machine (rank 0 says if /dev/shm lacks room), else over Gloo;
+    it adds up the wait not hidden, from each step's last bucket's call to its average's arrival."""
 
     since, waited = None, 0.0  # this step's last call, and the time waited so far
 
     def __init__(self, model, rank, world_size, args):
-        self.model, self.args, self.averager = model, args, None
+        self.args, self.averager = args, None
         if averages_in_shared_memory(args, world_size):
             try:
                 self.averager = SharedMemoryAverager(model, rank, world_size, args.timeout)
@@ -499,7 +490,7 @@ class Averaging:
         self.how = "shared-memory" if self.averager else "gloo"
 
     def hook_into(self, ddp_model):
-        keep_pool_gradient_channels_last(self.model)
+        keep_pool_gradient_channels_last(ddp_model.module)
         if self.averager:
             self.state, self.hook = self.averager, SharedMemoryAverager.average
         else:  # torch's hooks: local SGD's, or DDP's plain average
@@ -1131,11 +1122,9 @@ def reach_every_machine(store, rank, args):
 
 def at_check(store, rank, args, m, key, wait):
     """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
-    for _ in wait:
+    for _ in itertools.chain(wait, [None]):  # one look more: the shared wait may have ended before this step
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
-    if store.check([f"{key}/{m}"]):  # the wait, shared by every step, may have ended before this one looked
-        return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
@@ -1160,10 +1149,9 @@ def probe(store, rank, args, m, value):
         connection.sendall(bytes(PROBE_SIZE))
         back = connection.makefile("rb").read(PROBE_SIZE)
     if len(back) != PROBE_SIZE:
-        lost = f"{PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
-        lost += f": machine {m} is stopped or overloaded, or"
-        fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
-        abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
+        lost = f"{here}: {PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+        lost += f": machine {m} is stopped or overloaded, or the path drops large packets: check its MTU"
+        abort_job(store, rank, args, f"{lost} (ping -M do -s 1472 {address}; -s 8972 for 9000-byte frames)")
 
 
 # ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
@@ -1172,10 +1160,8 @@ LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies
 
 
 def try_the_group(world_size, device, data, args):
-    """The group's first collectives: a machine with other data stops the job; --check passes once ones of
-    the gradients' size arrive; across machines that average is timed against a step's computing and the
-    --compress a slow link needs is named (auto takes it, on every rank from the same figures). Returns args
-    with rank 0's files and the --compress taken."""
+    """The first collectives: the data compared, --check's average, across machines the link timed and the
+    --compress it needs (auto takes it, all ranks from the same figures); returns args with rank 0's files."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1189,12 +1175,10 @@ def try_the_group(world_size, device, data, args):
         waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
         share = {c: wait / (compute + wait) for c, wait in waits.items()}
         best = "local-sgd" if share["none"] > 1 / 4 else "none"
-        took = (
-            f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
-        )
-        advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
-        line += f"~{share['none']:.0%} of each step{advice}"
+        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms"
+        line += f" (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: waiting would"
+        line += f" take ~{share['none']:.0%} of each step"
+        line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
         if args.check or args.compress == "auto" or args.compress == "none" != best:
             print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
     return with_rank0s_files(args, compress=best if args.compress == "auto" else args.compress)
@@ -1217,17 +1201,15 @@ def time_a_step(world_size, device, args):
         seconds.append([computed - start, time.perf_counter() - computed])
     if not grads.eq(world_size).all():
         sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
-    # The fastest of 3 (the first sets up); of the ranks, the slowest computing and the average as the last to
-    # arrive saw it (the others waited for it too): one maximum, the average negated.
+    # Best of 3; one MAX over ranks: the slowest computing, the last arrival's (shortest) average negated.
     fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
     dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
     return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
-    the copies' average, copied in (docs/compat.md), before every LOCAL_SGD_PERIOD-th step and before an
-    evaluation: the test set and the checkpoint see the job's model, not rank 0's copy."""
+    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
+    copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
@@ -1389,9 +1371,8 @@ def run_workers(args, data, nprocs, listener):
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
-        context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=START_METHOD
-        )
+        inputs = (args, data, listener, ctrl_c)
+        context = mp.start_processes(spawned_worker, inputs, nprocs, join=False, start_method=START_METHOD)
         raise_on_signals(ctrl_c)
         while not context.join():  # one failing, join stops the others
             pass
@@ -1461,10 +1442,8 @@ def raise_on_signals(ctrl_c):
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
         time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
-        sys.exit(
-            f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
-            f"or did not answer within --timeout {args.timeout:g} s"
-        )
+        line = f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped"
+        sys.exit(f"{line}, or did not answer within --timeout {args.timeout:g} s")
 
 
 def exit_at_once(end=0):
@@ -1517,12 +1496,10 @@ def layout_line(world_size, args, allreduce):
     each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else each
     threads = f", from {args.threads_from}" if args.threads_from else ""
     note = f" ({args.launch_note})" if args.launch_note else ""
-    return (
-        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
-        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
-        f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
-        f"{averaging_words(allreduce, args)}{note}"
-    )
+    line = f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
+    line += f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
+    line += f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
+    return line + f"{averaging_words(allreduce, args)}{note}"
 
 
 def report(args, device, history, seconds, samples, test, **averaging):
@@ -1549,7 +1526,6 @@ def report(args, device, history, seconds, samples, test, **averaging):
 
 
 def write_on_rank0(args, path, write):
-    """Rank 0 writes path whole (write_atomically); a failure stops every rank."""
     on_rank0(args, write_atomically, path, write)
 
 

@@ -334,12 +334,11 @@ def select_device(local_rank):
 
 
 def prepare_backend(store, rank, world_size, args):
-    """NCCL's bootstrap, unauthenticated, on loopback for a job on one machine; two ranks on one GPU: one
-    line, not NCCL's "Duplicate GPU detected" (the UUID tells apart GPUs each process sees as cuda:0)."""
+    """NCCL's bootstrap, unauthenticated, on loopback in a one-machine job; two ranks on one GPU: one line."""
     if world_size == args.processes_here and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every name starting with it
     index = torch.cuda.current_device()
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # each cuda:0 told apart
     host = socket.gethostname()
     mine = str(rank).encode()
     if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
@@ -359,8 +358,7 @@ def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
 
 
 def hook_gradients(ddp_model, args):
-    """The hooks on the model's gradients: strides as DDP's buckets hold them, max-pool's kept channels-last,
-    and local SGD's average (else DDP's own)."""
+    """Gradients in their parameters' strides, max-pool's channels-last; local SGD's average, else DDP's."""
     match_gradient_strides(ddp_model.module)
     keep_pool_gradient_channels_last(ddp_model.module)
     if hook := local_sgd(ddp_model, args):
@@ -368,8 +366,7 @@ def hook_gradients(ddp_model, args):
 
 
 def match_gradient_strides(model):
-    """cuDNN gives conv1's weight gradient another stride on its size-1 dimension: DDP would warn ("Grad
-    strides do not match") and copy it."""
+    """cuDNN strides conv1's weight gradient its own way: else DDP warns ("Grad strides do not match")."""
 
     def restated(grad, p):  # only size-1 dimensions' strides differ: each element keeps its offset
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
@@ -968,11 +965,9 @@ def reach_every_machine(store, rank, args):
 
 def at_check(store, rank, args, m, key, wait):
     """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
-    for _ in wait:
+    for _ in itertools.chain(wait, [None]):  # one look more: the shared wait may have ended before this step
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
-    if store.check([f"{key}/{m}"]):  # the wait, shared by every step, may have ended before this one looked
-        return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     line = f"machine {m} did not come to the network check within --timeout {args.timeout:g} s"
     abort_job(store, rank, args, f"{here}: {line}: see its output, or raise --timeout")
@@ -997,10 +992,9 @@ def probe(store, rank, args, m, value):
         connection.sendall(bytes(PROBE_SIZE))
         back = connection.makefile("rb").read(PROBE_SIZE)
     if len(back) != PROBE_SIZE:
-        lost = f"{PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
-        lost += f": machine {m} is stopped or overloaded, or"
-        fix = f"the path drops large packets: check its MTU (ping -M do -s 1472 {address}"
-        abort_job(store, rank, args, f"{here}: {lost}: {fix}; -s 8972 for 9000-byte frames)")
+        lost = f"{here}: {PROBE_SIZE >> 10} KiB sent to machine {m} ({host}) at {address} did not come back"
+        lost += f": machine {m} is stopped or overloaded, or the path drops large packets: check its MTU"
+        abort_job(store, rank, args, f"{lost} (ping -M do -s 1472 {address}; -s 8972 for 9000-byte frames)")
 
 
 # ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
@@ -1009,10 +1003,8 @@ LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies
 
 
 def try_the_group(world_size, device, data, args):
-    """The group's first collectives: a machine with other data stops the job; --check passes once ones of
-    the gradients' size arrive; across machines that average is timed against a step's computing and the
-    --compress a slow link needs is named (auto takes it, on every rank from the same figures). Returns args
-    with rank 0's files and the --compress taken."""
+    """The first collectives: the data compared, --check's average, across machines the link timed and the
+    --compress it needs (auto takes it, all ranks from the same figures); returns args with rank 0's files."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1026,12 +1018,10 @@ def try_the_group(world_size, device, data, args):
         waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
         share = {c: wait / (compute + wait) for c, wait in waits.items()}
         best = "local-sgd" if share["none"] > 1 / 4 else "none"
-        took = (
-            f"~{network:.0f} ms (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms"
-        )
-        advice = f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
-        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took {took}: waiting would take "
-        line += f"~{share['none']:.0%} of each step{advice}"
+        line = f"Network: averaging the gradients ({size / 1e6:.1f} MB) took ~{network:.0f} ms"
+        line += f" (~{8e-3 * size / network:.0f} Mbit/s), a step's computing ~{compute:.0f} ms: waiting would"
+        line += f" take ~{share['none']:.0%} of each step"
+        line += f", ~{share[best]:.0%} with --compress {best}" if best != "none" else ""
         if args.check or args.compress == "auto" or args.compress == "none" != best:
             print0(line + (f" (--compress auto: {best})" if args.compress == "auto" else ""))
     return with_rank0s_files(args, compress=best if args.compress == "auto" else args.compress)
@@ -1054,17 +1044,15 @@ def time_a_step(world_size, device, args):
         seconds.append([computed - start, time.perf_counter() - computed])
     if not grads.eq(world_size).all():
         sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
-    # The fastest of 3 (the first sets up); of the ranks, the slowest computing and the average as the last to
-    # arrive saw it (the others waited for it too): one maximum, the average negated.
+    # Best of 3; one MAX over ranks: the slowest computing, the last arrival's (shortest) average negated.
     fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
     dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
     return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
 
 
 def local_sgd(ddp_model, args, clock=None):
-    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); and
-    the copies' average, copied in (docs/compat.md), before every LOCAL_SGD_PERIOD-th step and before an
-    evaluation: the test set and the checkpoint see the job's model, not rank 0's copy."""
+    """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
+    copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp_model.parameters()), itertools.count()
@@ -1226,9 +1214,8 @@ def run_workers(args, data, nprocs, listener):
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
     try:
-        context = mp.start_processes(
-            spawned_worker, (args, data, listener, ctrl_c), nprocs, join=False, start_method=START_METHOD
-        )
+        inputs = (args, data, listener, ctrl_c)
+        context = mp.start_processes(spawned_worker, inputs, nprocs, join=False, start_method=START_METHOD)
         raise_on_signals(ctrl_c)
         while not context.join():  # one failing, join stops the others
             pass
@@ -1298,10 +1285,8 @@ def raise_on_signals(ctrl_c):
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
         time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
-        sys.exit(
-            f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped, "
-            f"or did not answer within --timeout {args.timeout:g} s"
-        )
+        line = f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped"
+        sys.exit(f"{line}, or did not answer within --timeout {args.timeout:g} s")
 
 
 def exit_at_once(end=0):
@@ -1354,12 +1339,10 @@ def layout_line(world_size, args, allreduce):
     each = f"x {plural(sizes[0], 'process')}" if len(set(sizes)) == 1 else each
     threads = f", from {args.threads_from}" if args.threads_from else ""
     note = f" ({args.launch_note})" if args.launch_note else ""
-    return (
-        f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
-        f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
-        f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
-        f"{averaging_words(allreduce, args)}{note}"
-    )
+    line = f"World size {world_size} = {plural(len(sizes), 'machine')} {each}; "
+    line += f"global batch {args.batch_size * world_size} = {world_size} x {args.batch_size}; "
+    line += f"{plural(torch.get_num_threads(), 'thread')} per process{threads}; "
+    return line + f"{averaging_words(allreduce, args)}{note}"
 
 
 def report(args, device, history, seconds, samples, test, **averaging):
@@ -1386,7 +1369,6 @@ def report(args, device, history, seconds, samples, test, **averaging):
 
 
 def write_on_rank0(args, path, write):
-    """Rank 0 writes path whole (write_atomically); a failure stops every rank."""
     on_rank0(args, write_atomically, path, write)
 
 
