@@ -288,8 +288,6 @@ def main(argv=None):
 
 
 # ---- M1. This script's layout: flags, else the launcher's, else one process --------------------------------
-
-
 def select_device(local_rank):
     keep_freed_memory()
     return torch.device("cpu")
@@ -330,8 +328,6 @@ def build_parser():
 
 
 # ---- M2. Network interfaces: where Gloo listens ------------------------------------------------------------
-
-
 def prepare_backend(store, rank, world_size, args):
     """Point Gloo, unauthenticated, at loopback on one machine, else at the interface the others reach."""
     spans = world_size > args.processes_here
@@ -358,7 +354,7 @@ def prepare_backend(store, rank, world_size, args):
         if spans and rank == 0:
             line = f"This system ({sys.platform}) cannot tell which network interface reaches the others"
             print0(f"{line}: set GLOO_SOCKET_IFNAME to it on every machine if Gloo fails")
-    if local_rank_of(rank, args) == 0:
+    if rank == args.first_rank:
         here = json.dumps([socket.gethostname(), args.processes_here, name, address])
         store.set(f"machine/{args.machine_id}", here)
     if rank == 0 and (spans or args.check):  # each machine's host, processes, and where its Gloo listens
@@ -406,8 +402,6 @@ def interface_addresses():
 
 
 # ---- M3. The gradient average in shared memory -------------------------------------------------------------
-
-
 def averages_in_shared_memory(args, world_size):
     """One machine, --allreduce auto, Linux on x86-64 (average relies on its store order)."""
     linux = sys.platform.startswith("linux") and platform.machine() == "x86_64" and os.path.isdir("/dev/shm")
@@ -543,8 +537,6 @@ def gradient_shortfall(model, world_size, failed=False):
 
 
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
-
-
 # Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
 # mpirun pass SLURM's on). Its variables in Launcher's order, the last ones its launch's ("-": it sets none).
 Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
@@ -668,14 +660,12 @@ def launch_note(args):
 
 
 # ---- S2. The rendezvous: machine 0's port and store --------------------------------------------------------
-
-
 @contextlib.contextmanager
 def rendezvous(rank, is_master, args, listener):
     """Yields TCPStore's options. A failure is one line on every machine; C++'s log waits for the group."""
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0 claims it
-        options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
+        options.update(master_listen_fd=listener.detach(), use_libuv=False)
     elif listener:
         listener.close()
     if not is_master:  # machine 0's port refuses connections till its store serves
@@ -835,7 +825,7 @@ def waiting(rank, args, what, seconds=None):
     """Yields every 0.1 s for seconds (--timeout); local rank 0 says what() it waits for at 5 s, each 30 s."""
     start, say = time.monotonic(), 5  # when the wait began, when it speaks next
     while (waited := time.monotonic() - start) < (seconds or args.timeout):
-        if waited >= say and local_rank_of(rank, args) == 0:
+        if waited >= say and rank == args.first_rank:
             left = f"{max(0, args.timeout - waited):.0f} s left of --timeout {args.timeout:g} s"
             print(f"{what()} ({left})", flush=True)
             say = waited + 30
@@ -864,8 +854,6 @@ def attempt_store(store, args):
 
 
 # ---- S3. The roll call: one job, one decision --------------------------------------------------------------
-
-
 # Flags that must agree on every machine (the first four: the layout), rank 0's alone, each machine's own.
 JOB_FLAGS = ("world_size", "num_machines", "num_processes", "num_gpu_processes", "dataset", "batch_size")
 JOB_FLAGS += ("epochs", "lr", "seed", "amp", "allreduce", "compress", "check", "torch", "model", "backend")
@@ -1030,7 +1018,7 @@ def with_rank0s_files(args, **decided):
     said = [{k: getattr(args, k) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
     unused = ", ".join(flag_words(k, v) for k in RANK0_FLAGS if (v := getattr(args, k)) and v != said[0][k])
-    if unused and args.machine_id != 0 and local_rank_of(dist.get_rank(), args) == 0:
+    if unused and args.machine_id != 0 and dist.get_rank() == args.first_rank:
         line = f"machine {args.machine_id}: {unused} not used here: machine 0's command names the files"
         print(f"warning: {line}", file=sys.stderr)
     files = {} if dist.get_rank() == 0 else {k: bool(v) for k, v in said[0].items()}
@@ -1046,7 +1034,7 @@ def claimed_twice(rank, first, second, args):
 def check_same_data(data, rank, device, args):
     """A collective: a machine whose data differ (a copy that still parses) stops every machine."""
     rows = torch.zeros(dist.get_world_size(), 5, dtype=torch.long, device=device)  # a rank's machine, digests
-    if local_rank_of(rank, args) == 0:  # a machine's one copy; 7 bytes of SHA-256 tell copies apart
+    if rank == args.first_rank:  # a machine's one copy; 7 bytes of SHA-256 tell copies apart
         digests = [int.from_bytes(hashlib.sha256(t.contiguous().numpy()).digest()[:7], "big") for t in data]
         rows[rank] = torch.tensor([args.machine_id, *digests])
     dist.all_reduce(rows)  # tensors, not objects: no rank unpickles what another sends
@@ -1059,7 +1047,6 @@ def check_same_data(data, rank, device, args):
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
-
 PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the reachability check
 
 
@@ -1071,7 +1058,7 @@ def abort_job(store, rank, args, line, end=sys.exit):
             store.set("abort", line)
     if store is not None or rank == 0:
         time.sleep(1)  # the others look every 0.5 s: let them read the line first
-    if local_rank_of(rank, args) != 0:
+    if rank != args.first_rank:
         time.sleep(2)  # local rank 0 says the line
         end(1)
     end(line)
@@ -1082,13 +1069,9 @@ def printable(text):
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def local_rank_of(rank, args):
-    return rank - args.first_rank
-
-
 def reach_every_machine(store, rank, args):
     """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
-    if args.num_machines == 1 or local_rank_of(rank, args) != 0:
+    if args.num_machines == 1 or rank != args.first_rank:
         return
     n = args.num_machines  # each machine probes the next ones first: machine 0 is not everyone's first
     others = [(args.machine_id + k) % n for k in range(1, n)]
@@ -1155,7 +1138,6 @@ def probe(store, rank, args, m, value):
 
 
 # ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
-
 LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies are averaged every 64 steps
 
 
@@ -1241,8 +1223,6 @@ def local_sgd(ddp_model, args, clock=None):
 
 
 # ---- S6. Files: whole or not at all ------------------------------------------------------------------------
-
-
 def resume(model, optimizer, args):
     """Rank 0 reads --checkpoint (maybe on machine 0 alone), and sends it or why not to all."""
     state = on_rank0(args, read_checkpoint, args, model, optimizer)  # loads it into rank 0's model
@@ -1358,7 +1338,6 @@ def stop_line(stop, path, before, stopped=""):
 
 
 # ---- S7. Processes, signals and exit -----------------------------------------------------------------------
-
 GROUPS_KEPT = []  # worker()'s groups, never freed: freeing one can deadlock (docs/compat.md)
 
 
@@ -1441,7 +1420,7 @@ def raise_on_signals(ctrl_c):
 
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        time.sleep(2 if local_rank_of(rank, args) else 0)  # local rank 0's line first; the launcher stops us
+        time.sleep(2 if rank != args.first_rank else 0)  # local rank 0's line first; the launcher stops us
         line = f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped"
         sys.exit(f"{line}, or did not answer within --timeout {args.timeout:g} s")
 
@@ -1469,8 +1448,6 @@ def exit_at_once(end=0):
 
 
 # ---- S8. Memory, speed-ups and the run's figures -----------------------------------------------------------
-
-
 def keep_freed_memory():
     """glibc's mallopt(3): keep freed blocks for reuse, not hand each back to be refaulted every step."""
     with contextlib.suppress(OSError):  # not glibc
@@ -1539,8 +1516,6 @@ def peak_memory_mib():
 
 
 # ---- S9. Command-line values and words ---------------------------------------------------------------------
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line naming the flag, not a usage block first."""
