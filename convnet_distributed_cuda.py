@@ -374,10 +374,10 @@ def match_gradient_strides(model):
 
 
 # ============================================================================================================
-# Shared block: the same bytes in convnet_distributed.py, where it is edited, and convnet_distributed_cuda.py,
-# where `python tools/sync_shared_block.py` copies it (CI checks). It needs from its script: ConvNet,
-# DATASETS, BACKEND, CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, prepare_backend,
-# averaging_words, worker, print0 and raw_folder.
+# Shared block: edited in convnet_distributed.py; `python tools/sync_shared_block.py` copies it into
+# convnet_distributed_cuda.py (CI checks). It needs from its script: ConvNet, DATASETS, BACKEND,
+# CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, prepare_backend, averaging_words, worker, print0
+# and raw_folder.
 # ============================================================================================================
 
 
@@ -407,7 +407,7 @@ BY_HAND = Launcher(None, *[None] * 6, [])
 
 
 def parse_args(argv=None):
-    """The flags, else the launcher's layout (LAUNCHERS), else defaults; then what argparse cannot check."""
+    """The flags, else the launcher's layout, else defaults; then the checks argparse cannot make."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.master_addr = args.master_addr and args.master_addr.strip("[]")  # IPv6 as in URLs: [fd00::1]
@@ -416,7 +416,7 @@ def parse_args(argv=None):
     args.launcher = launcher.name
     args.by_host = launcher is not BY_HAND and launcher.machine is None  # machines told apart by host
     vars(args).update(layout_flags(parser, args, launcher))  # and the launcher's rank and world size
-    launched = args.rank is not None  # this process is one rank of the launcher's
+    launched = args.rank is not None  # a launcher started this process
     args.local_rank = launcher_number(parser, launcher, launcher.local_rank, 0) if launched else 0
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
@@ -425,18 +425,18 @@ def parse_args(argv=None):
     except (ValueError, argparse.ArgumentTypeError):
         parser.error(f"MASTER_PORT={args.master_port!r} is no port (1-65535): fix it, or pass --master-port")
     args.processes_here = here = getattr(args, parser.processes[0])
-    args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here  # + a local rank
+    args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here
     args.world_size = args.world_size if launched else args.num_machines * here
     args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
     args.launch_note = launch_note(args)
     ids = [getenv(v) for v in launcher.launch]
     ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
-    # SLURM_CPUS_PER_TASK is a task's own: where SLURM started each rank as a task, no other rank shares it.
+    # Where SLURM started each rank as a task, no other rank shares its SLURM_CPUS_PER_TASK.
     cpus = launched and launcher.name == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
     # Rank 0's command alone names the job's files: only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
-    # torchrun sets OMP_NUM_THREADS=1 where the user set none: then its own start-up environment has none.
+    # torchrun sets OMP_NUM_THREADS=1 where the user set none, and then its own environment has none.
     torchrun_omp = False  # not Linux: the user's
     with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
         torchrun_omp = launcher.name == "torchrun" and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
@@ -452,7 +452,7 @@ def layout_flags(parser, args, launcher):
     machines = launcher_number(parser, launcher, launcher.machines, -(-world_size // local_size))
     own = launcher.name == "SLURM" and world_size == machines  # a task a node: this script starts the rest
     addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
-    said = {"master_addr": addr, "master_port": port} if launcher.rank == "RANK" else {}  # env://'s store
+    said = dict(master_addr=addr, master_port=port) if launcher.rank == "RANK" else {}  # env://'s store
     if launcher.name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
         job, step = (launcher_number(parser, launcher, f"SLURM_{v}_ID", 0) for v in ("JOB", "STEP"))
         port = port or 15000 + (job * 97 + step) % 17000
@@ -471,7 +471,7 @@ def layout_flags(parser, args, launcher):
     defaults = {processes: default, "num_machines": 1, "machine_id": 0, "master_addr": addr or "127.0.0.1"}
     fix = f"give {launcher.name} the same"
     fix = "unset RANK and WORLD_SIZE" if launcher.name == "RANK and WORLD_SIZE" else fix
-    taken = {"rank": None if own or launcher is BY_HAND else rank, "world_size": world_size}  # None: no rank
+    taken = dict(rank=None if own or launcher is BY_HAND else rank, world_size=world_size)  # None: no rank
     for key, default in {**defaults, "master_port": port}.items():
         given = getattr(args, key)
         if None not in (given, said.get(key)) and str(given) != str(said[key]):
@@ -530,12 +530,12 @@ def rendezvous(rank, is_master, args, listener):
                 yield options
             finally:
                 done.set()
-                watcher.join(5 if "store" in own else 0)  # a watcher that saw the abort line ends the process
+                watcher.join(5 if "store" in own else 0)  # one that saw the abort line ends the process
                 os.dup2(real, 2)
             held.seek(0)
             sys.stderr.buffer.write(held.read())
             sys.stderr.flush()
-        GROUPS_KEPT.append(dist.group.WORLD)  # never freed: its destructor can deadlock (docs/compat.md)
+        GROUPS_KEPT.append(dist.group.WORLD)
     except RuntimeError as e:
         line = f"{BACKEND} cannot connect the processes ({last_line(e)}): open TCP between machines, or set"
         abort_job(own.get("store"), rank, args, f"error: rank {rank}: {line} {BACKEND.upper()}_SOCKET_IFNAME")
@@ -563,7 +563,7 @@ def signals_heard_in_cpp():
 def exit_if_unheard(read):
     with open(read, "rb", buffering=0) as pipe:
         if signum := pipe.read(1):
-            time.sleep(3)  # the main thread stops the process itself where it can, with its line
+            time.sleep(3)  # where it can, the main thread stops with its own line
             exit_at_once(128 + signum[0])
 
 
@@ -578,13 +578,13 @@ def wait_for_machine0(own, rank, args):
 
 
 def watch_for_abort(own, done, real, rank, args):
-    """In a thread, with a store client of its own (the backend's may be held in a call): abort_job's line."""
+    """In a thread, with its own store client (the backend's may be busy in a call): abort_job's line."""
     try:
         store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
         own["store"] = attempt_store(store, args)
     except (dist.DistError, OSError) as e:  # machine 0 went away
         own["error"] = e
-    with contextlib.suppress(RuntimeError, KeyError):  # machine 0 went: the backend will say so itself
+    with contextlib.suppress(RuntimeError, KeyError):  # machine 0 went: the backend says so
         while not done.wait(0.5):
             if own["store"].check(["abort"]):
                 os.dup2(real, 2)
@@ -654,7 +654,7 @@ def resolve(args, rank, connect):
     for _ in waiting(rank, args, lambda: f"Waiting for machine 0 at {addr}:{port}"):  # TCPStore's is deaf
         try:
             found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-            if connect:  # this end's address, and machine 0's as this machine reaches it
+            if connect:  # this end's address, and machine 0's as seen from here
                 with socket.create_connection((addr, port), timeout=5) as s:
                     return [end[0].split("%")[0] for end in (s.getsockname(), s.getpeername())]
             return found
@@ -693,7 +693,7 @@ def is_loopback(address):
 
 
 def attempt_store(store, args):
-    """Under torchrun, whose store outlives a restart, the store with this attempt's keys apart."""
+    """torchrun's store outlives a restart: keep each attempt's keys apart."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     return dist.PrefixStore(f"attempt-{restart}/", store) if args.launcher == "torchrun" else store
 
@@ -741,7 +741,7 @@ def check_one_job(store, rank, args, job, me):
         theirs, ours = next(p for p in pairs if p[0] != p[1])
     this = f"rank {rank}" if args.by_host else f"machine {me['machine']}"  # mpirun's: told at "ready"
     sides = f"machine 0 ({job['host']}) has {theirs}; {this} ({me['host']}) has {ours}"
-    # A job is started one way, as one launch (by hand, one a machine): else this process stops alone.
+    # A job starts one way, as one launch (by hand: one a machine), or this process stops alone.
     another = job["launch"] != args.launch_id and (args.launcher or args.machine_id == 0)
     if job["launcher"] != args.launcher or another:
         line = f"{args.master_addr}:{args.master_port} is another job's rendezvous"
@@ -758,7 +758,7 @@ def wait_for_ready(store, rank, world_size, args, me, far):
     """Rank 0's "ready", written once all have checked in: each rank's machine and each machine's address."""
     keys = [f"rank/{r}" for r in range(world_size)]
 
-    def progress():  # rank 0 names the missing: machines where the layout tells them (by hand), else ranks
+    def progress():  # rank 0 names who is missing: machines if started by hand, else ranks
         if rank != 0:
             return f"Waiting for all {world_size} processes to join at {args.master_addr}:{args.master_port}"
         gone = [r for r, key in enumerate(keys) if not store.check([key])]
@@ -801,7 +801,7 @@ def stop_roll_call(store, rank, args, line):
 
 
 def read_record(store, rank, args, raw, me):
-    """A roll call record, read from the store, which is unauthenticated: else the job stops."""
+    """A roll call record from the unauthenticated store; anything else stops the job."""
     if is_record(found := from_json(raw)):
         return found
     if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
@@ -813,15 +813,15 @@ def read_record(store, rank, args, raw, me):
 def roll_call_record(rank, world_size, args):
     layout = JOB_FLAGS[1:4] if args.rank is not None else ()  # a launcher's may vary processes per machine
     job = {k: getattr(args, k) for k in JOB_FLAGS if hasattr(args, k) and k not in layout}
-    with torch.device("meta"):  # meta tensors hold names and shapes only: no memory, no random numbers
+    with torch.device("meta"):  # meta tensors have shapes but no memory or random numbers
         job["model"] = [f"{n} {list(p.shape)}" for n, p in ConvNet().named_parameters()]
     job.update(world_size=world_size, torch=torch.__version__.split("+")[0], backend=f"{BACKEND} ({SCRIPT})")
-    box = socket.gethostname()  # under MPI, host names may repeat: the boot and network namespace tell apart
+    box = host = socket.gethostname()  # MPI may repeat host names: the boot and network namespace tell apart
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         box += f" {f.read().strip()} {os.readlink('/proc/self/ns/net')}"
     with open(__file__, "rb") as f:
         script = hashlib.sha256(f.read()).hexdigest()[:12]
-    ids = dict(rank=rank, machine=args.machine_id, host=socket.gethostname(), pid=os.getpid(), box=box)
+    ids = dict(rank=rank, machine=args.machine_id, host=host, pid=os.getpid(), box=box)
     return dict(ids, launch=args.launch_id, launcher=args.launcher, job=job, script=script)
 
 
@@ -892,7 +892,7 @@ def check_same_data(data, rank, device, args):
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
-PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the reachability check
+PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the check
 
 
 def abort_job(store, rank, args, line, end=sys.exit):
@@ -923,12 +923,12 @@ def reach_every_machine(store, rank, args):
     # One wait, within --timeout, for both steps: machines that arrive apart meet.
     wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
 
-    def echo(connection):  # sends the connection's bytes back once all are in
+    def echo(connection):  # sends the bytes back once all are in
         with connection, contextlib.suppress(OSError):
             connection.settimeout(5)
             connection.sendall(connection.makefile("rb").read(PROBE_SIZE))
 
-    def serve():  # each connection in a thread of its own, till the listener closes: a stalled one holds none
+    def serve():  # a thread per connection till the listener closes: a stalled one blocks none
         while listener.fileno() != -1:
             with contextlib.suppress(OSError):
                 threading.Thread(target=echo, args=(listener.accept()[0],), daemon=True).start()
@@ -950,7 +950,7 @@ def reach_every_machine(store, rank, args):
 
 def at_check(store, rank, args, m, key, wait):
     """What machine m wrote as key at the network check; else, past --timeout, the job stops."""
-    for _ in itertools.chain(wait, [None]):  # one look more: the shared wait may have ended before this step
+    for _ in itertools.chain(wait, [None]):  # one more look: the shared wait may have ended already
         if store.check([f"{key}/{m}"]):
             return store.get(f"{key}/{m}")
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
@@ -983,12 +983,11 @@ def probe(store, rank, args, m, value):
 
 
 # ---- S5. --check, the link timed, and local SGD for slow links -------------------------------------------
-LOCAL_SGD_PERIOD = 64  # --compress local-sgd: each copy steps alone; the copies are averaged every 64 steps
+LOCAL_SGD_PERIOD = 64  # --compress local-sgd: steps each copy takes alone between averages
 
 
 def try_the_group(world_size, device, data, args):
-    """The first collectives: the data compared, --check's average, across machines the link timed and the
-    --compress it needs (auto takes it, all ranks from the same figures); returns args with rank 0's files."""
+    """Compares the data, runs --check, times the link for --compress; returns args with rank 0's files."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1183,7 +1182,7 @@ def stop_line(stop, path, before, stopped=""):
 
 
 # ---- S7. Processes, signals and exit -----------------------------------------------------------------------
-GROUPS_KEPT = []  # worker()'s groups, never freed: freeing one can deadlock (docs/compat.md)
+GROUPS_KEPT = []  # groups never freed: freeing one can deadlock (docs/compat.md)
 
 
 def run_workers(args, data, nprocs, listener):
@@ -1206,7 +1205,7 @@ def run_workers(args, data, nprocs, listener):
         line = f"error: rank {rank} (pid {pid}) {how}: the other processes of this machine were stopped"
         status = {1: 1, 130: 130, 143: 143, -signal.SIGTERM: 143}  # 1: it said why; a stop: exit_on_signal
         sys.exit(status.get(e.exit_code, line))
-    finally:  # any still running (a stop, a failed start): SIGTERM, then SIGKILL at 10 s
+    finally:  # any still running (a stop, a failed start): SIGTERM, then SIGKILL
         workers, deadline = mp.active_children(), time.monotonic() + 10
         for process in workers:
             process.terminate()
@@ -1272,7 +1271,7 @@ def exit_if_contact_lost(error, rank, args):
 
 def exit_at_once(end=0):
     """sys.exit(end), end also what ended the run, without the teardown: slow, and a kept group can abort."""
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+    with contextlib.suppress(ValueError):  # not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
     if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
@@ -1329,11 +1328,11 @@ def report(args, device, history, seconds, samples, test, **averaging):
     world_size = dist.get_world_size()
     peaks = torch.zeros(world_size, dtype=torch.float64, device=device)
     peaks[dist.get_rank()] = peak_memory_mib() or 0  # 0: none measured (Windows)
-    dist.all_reduce(peaks)  # a tensor, not objects: no rank unpickles what another sends
+    dist.all_reduce(peaks)
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
-    figures = dict(script=os.path.basename(__file__), dataset=args.dataset, device=str(device))
+    figures = dict(script=SCRIPT, dataset=args.dataset, device=str(device))
     figures.update(world_size=world_size, epochs=args.epochs, epochs_trained=len(history))
     figures.update(batch_size=args.batch_size, global_batch_size=args.batch_size * world_size)
     figures.update(threads=torch.get_num_threads(), amp=args.amp, **averaging, train_seconds=seconds)
@@ -1433,7 +1432,7 @@ def cgroup_cpus():
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where unset or empty: `VAR=` means unset."""
+    """os.environ.get, but `VAR=` (empty) counts as unset."""
     return os.environ.get(name) or default
 
 
