@@ -296,7 +296,7 @@ def select_device(local_rank):
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def add(flag, help, **options):  # --batch-size takes the article's --batch_size too
+    def add(flag, help, **options):  # takes the article's spelling too: --batch_size
         if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
             options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
@@ -363,7 +363,7 @@ def prepare_backend(store, rank, world_size, args):
             try:
                 host, n, on, at = from_json(raw)
             except (TypeError, ValueError):
-                abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw, args))
+                abort_job(store, rank, args, bad_value(rank, f"machine/{machine}", raw))
             print0(printable(f"Machine {machine} ({host}): {plural(n, 'process')}, Gloo on {on} {at}"))
 
 
@@ -375,7 +375,7 @@ def interface_the_others_reach(store, rank, args, found):
             raw = wait_for_key(store, rank, args, "far/1", "machine 1")
             far = str(ipaddress.ip_address(raw.decode()))
         except ValueError:
-            abort_job(store, rank, args, bad_value(rank, "far/1", raw, args))
+            abort_job(store, rank, args, bad_value(rank, "far/1", raw))
         address = address if is_loopback(far) else far  # both on one host: loopback
     held = [n for n, on in found.items() if address in on]
     if not held:
@@ -541,7 +541,7 @@ def gradient_shortfall(model, world_size, failed=False):
 # mpirun pass SLURM's on). Its variables in Launcher's order, the last ones its launch's ("-": it sets none).
 Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
 LAUNCHER_VARIABLES = {
-    # Its nodes may run different numbers of processes: GROUP_WORLD_SIZE counts the nodes.
+    # GROUP_WORLD_SIZE counts the nodes, which may run different numbers of processes.
     "torchrun": "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE TORCHELASTIC_RUN_ID",
     "Open MPI": "OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK "
     "OMPI_COMM_WORLD_LOCAL_SIZE - - PMIX_NAMESPACE",
@@ -551,7 +551,7 @@ LAUNCHER_VARIABLES = {
     # Only srun's tasks have SLURM_STEP_*: a shell inside an allocation is no launch.
     "SLURM": "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_LOCALID SLURM_STEP_TASKS_PER_NODE SLURM_NODEID "
     "SLURM_STEP_NUM_NODES SLURM_JOB_ID SLURM_STEP_ID",
-    # Kubeflow's PyTorchJob and hand-written env:// jobs: each launch is one process, a machine of its own.
+    # Kubeflow's PyTorchJob, hand-written env:// jobs: each launch is one process on its own machine.
     "RANK and WORLD_SIZE": "RANK WORLD_SIZE - - RANK WORLD_SIZE",
 }
 LAUNCHERS = [
@@ -569,9 +569,9 @@ def parse_args(argv=None):
     found = (x for x in LAUNCHERS if all(getenv(v) for v in (x.rank, x.world_size, x.local_rank) if v))
     launcher = next(found, BY_HAND)
     args.launcher = launcher.name
-    args.by_host = launcher is not BY_HAND and launcher.machine is None  # machines told apart by host
+    args.by_host = launcher is not BY_HAND and launcher.machine is None
     vars(args).update(layout_flags(parser, args, launcher))  # and the launcher's rank and world size
-    launched = args.rank is not None  # a launcher started this process
+    launched = args.rank is not None
     args.local_rank = launcher_number(parser, launcher, launcher.local_rank, 0) if launched else 0
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
@@ -589,9 +589,9 @@ def parse_args(argv=None):
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
     # Where SLURM started each rank as a task, no other rank shares its SLURM_CPUS_PER_TASK.
     cpus = launched and launcher.name == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
-    # Rank 0's command alone names the job's files: only its machine checks them.
+    # Only rank 0's command names the files, so only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
-    # torchrun sets OMP_NUM_THREADS=1 where the user set none, and then its own environment has none.
+    # Where the user set none, torchrun sets OMP_NUM_THREADS=1, absent from its own environment.
     torchrun_omp = False  # not Linux: the user's
     with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/environ", "rb") as f:
         torchrun_omp = launcher.name == "torchrun" and b"\0OMP_NUM_THREADS=" not in b"\0" + f.read()
@@ -670,7 +670,7 @@ def rendezvous(rank, is_master, args, listener):
         listener.close()
     if not is_master:  # machine 0's port refuses connections till its store serves
         resolve(args, rank, connect=True)
-    own = {}  # the watcher's store client, or why it could not connect
+    own = {}  # the watcher's store client, or its error
     done = threading.Event()
     real = os.dup(2)
     watcher = threading.Thread(target=watch_for_abort, args=(own, done, real, rank, args), daemon=True)
@@ -705,7 +705,7 @@ def signals_heard_in_cpp():
     before = None
     with contextlib.suppress(ValueError, AttributeError):  # not the main thread; Windows: no such pipe
         os.set_blocking(write, False)
-        before = signal.set_wakeup_fd(write)  # Python's handler writes each signal here, for a thread
+        before = signal.set_wakeup_fd(write)  # Python writes each signal here, for the thread
     threading.Thread(target=exit_if_unheard, args=(read,), daemon=True).start()
     try:
         yield
@@ -788,7 +788,7 @@ def machine0_twice(args):
     me = roll_call_record(0, args.world_size, args)
     found = []
 
-    def ask():  # in a thread: TCPStore waits forever on a server that never answers
+    def ask():  # in a thread: TCPStore waits forever on a silent server
         with contextlib.suppress(RuntimeError, ValueError):
             store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=5))
             if store.check(["job"]) and not store.check(["ready"]):
@@ -881,7 +881,7 @@ def roll_call(store, rank, world_size, args):
     except dist.DistError as e:  # rank 0 gave up, or its machine went away
         abort_job(None, rank, args, f"error: rank {rank}: lost machine 0 while waiting ({last_line(e)})")
     job = argparse.Namespace(**vars(args) | machines | dict(own_address=me["address"], machine0_address=far))
-    prepare_backend(store, rank, world_size, job)  # where the other machines reach this one
+    prepare_backend(store, rank, world_size, job)
     reach_every_machine(store, rank, job)  # a firewall may let only the rendezvous port through
     return store, job
 
@@ -928,7 +928,7 @@ def wait_for_ready(store, rank, world_size, args, me, far):
                 records = [read_record(store, rank, args, store.get(key), me) for key in keys]
                 mine = json.dumps(count_machines(records, args))
                 if (held := store.compare_set("ready", "", mine)) != mine.encode():  # rank 0's word alone
-                    abort_job(store, rank, args, bad_value(rank, "ready", held, args))
+                    abort_job(store, rank, args, bad_value(rank, "ready", held))
             break
     else:  # rank 0 alone: the others wait for its word
         if args.launcher:
@@ -947,7 +947,7 @@ def wait_for_ready(store, rank, world_size, args, me, far):
         if len(of) == world_size and numbered and all(type(m) is int for m in of):
             sizes = [of.count(m) for m in range(len(ips))]
             return dict(machine_id=of[rank], num_machines=len(sizes), machine_sizes=sizes, addresses=ips)
-    abort_job(store, rank, args, bad_value(rank, "ready", ready, args))
+    abort_job(store, rank, args, bad_value(rank, "ready", ready))
 
 
 def stop_roll_call(store, rank, args, line):
@@ -962,7 +962,7 @@ def read_record(store, rank, args, raw, me):
     if isinstance(found, dict) and found.get("script", me["script"]) != me["script"]:
         line = f"machine {found.get('machine')} runs another version of {SCRIPT}"
         stop_roll_call(store, rank, args, f"error: {line}: copy one script to every machine")
-    stop_roll_call(store, rank, args, bad_value(rank, "a record", raw, args))
+    stop_roll_call(store, rank, args, bad_value(rank, "a record", raw))
 
 
 def roll_call_record(rank, world_size, args):
@@ -992,7 +992,7 @@ def from_json(raw):
         return json.loads(raw) if len(raw) < 1 << 24 else None  # "ready" of a million ranks: 9 MB
 
 
-def bad_value(rank, key, raw, args):
+def bad_value(rank, key, raw):
     return f"error: rank {rank}: another program wrote {key} = {bytes(raw[:60])!r}: use another --master-port"
 
 
@@ -1090,7 +1090,7 @@ def reach_every_machine(store, rank, args):
 
     with bound_socket(0) as listener:
         listener.listen()
-        listener.settimeout(1)  # accept() gives up after a second: serve sees its listener closed
+        listener.settimeout(1)  # accept() returns each second: serve sees the listener closed
         threading.Thread(target=serve, daemon=True).start()
         store.set(f"probe/{args.machine_id}", f"{listener.getsockname()[1]} {socket.gethostname()}")
         try:
@@ -1114,14 +1114,14 @@ def at_check(store, rank, args, m, key, wait):
 
 
 def probe(store, rank, args, m, value):
-    """Sends PROBE_SIZE bytes to machine m at its roll call address: they must come back, or the job stops."""
+    """Sends machine m PROBE_SIZE bytes, which must come back, or the job stops."""
     address = args.addresses[m]
     here = f"error: machine {args.machine_id} ({socket.gethostname()})"
     try:
         at, host = value.decode().split() if len(value) < 300 else ()
         connection = socket.create_connection((address, port_number(at)), timeout=5)
     except (ValueError, argparse.ArgumentTypeError):  # port_number raises the second
-        abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value, args))
+        abort_job(store, rank, args, bad_value(rank, f"probe/{m}", value))
     except OSError as e:
         line = f"{here} cannot reach machine {m} ({host}) at {address} port {at} ({e.strerror or e})"
         line += ", though it reaches the rendezvous: open all TCP ports between the machines, or set"
@@ -1188,12 +1188,12 @@ def time_a_step(world_size, device, args):
     return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
 
 
-def local_sgd(ddp_model, args, clock=None):
+def local_sgd(ddp, args, clock=None):
     """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
     copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
     if args.compress != "local-sgd":
         return None
-    params, steps = list(ddp_model.parameters()), itertools.count()
+    params, steps = list(ddp.parameters()), itertools.count()
     apart = [False]  # the copies stepped alone since their last average
 
     def average():
@@ -1215,8 +1215,8 @@ def local_sgd(ddp_model, args, clock=None):
         if apart[0] and not module.training:
             average()
 
-    ddp_model.register_forward_pre_hook(before_a_step)
-    ddp_model.module.register_forward_pre_hook(before_an_evaluation)
+    ddp.register_forward_pre_hook(before_a_step)
+    ddp.module.register_forward_pre_hook(before_an_evaluation)
     state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
     return state, post_localSGD_hook.post_localSGD_hook
 
@@ -1368,7 +1368,7 @@ def run_workers(args, data, nprocs, listener):
             process.join(max(0.0, deadline - time.monotonic()))
             process.kill()
             process.join()
-        if listener is not None:  # held till now: the port's holder, as users see it, is this launch
+        if listener is not None:  # held till now, so users see this launch hold the port
             listener.close()
 
 
@@ -1419,7 +1419,7 @@ def raise_on_signals(ctrl_c):
 
 def exit_if_contact_lost(error, rank, args):
     if isinstance(error, dist.DistError) or BACKEND.lower() in str(error).lower():
-        time.sleep(2 if rank != args.first_rank else 0)  # local rank 0's line first; the launcher stops us
+        time.sleep(2 * (rank != args.first_rank))  # local rank 0's line first; the launcher stops us
         line = f"error: rank {rank} lost contact with the job ({last_line(error)}): another process stopped"
         sys.exit(f"{line}, or did not answer within --timeout {args.timeout:g} s")
 
@@ -1429,18 +1429,18 @@ def exit_at_once(end=0):
     with contextlib.suppress(ValueError):  # not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
+    if isinstance(end, SystemExit):  # a stop's too (130 or 143)
         end = end.code
-    elif isinstance(end, KeyboardInterrupt):  # a Ctrl-C before raise_on_signals: a stop all the same
+    elif isinstance(end, KeyboardInterrupt):  # a Ctrl-C before raise_on_signals is a stop too
         end = 130
     elif isinstance(end, BaseException):  # a bug: its traceback, and 1
         end = "".join(traceback.format_exception(end)).rstrip()
     if end is not None and not isinstance(end, int):
-        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in between
+        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in
         end = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
+    if os.name == "posix":  # os._exit drops C's stdio buffers: flush them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(end or 0)
@@ -1487,12 +1487,11 @@ def report(args, device, history, seconds, samples, test, **averaging):
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")
-    figures = dict(script=SCRIPT, dataset=args.dataset, device=str(device))
-    figures.update(world_size=world_size, epochs=args.epochs, epochs_trained=len(history))
-    figures.update(batch_size=args.batch_size, global_batch_size=args.batch_size * world_size)
-    figures.update(threads=torch.get_num_threads(), amp=args.amp, **averaging, train_seconds=seconds)
-    figures.update(total_seconds=total, samples_per_second=speed)
-    figures.update(final_train_loss=history[-1]["train_loss"] if history else None)
+    figures = dict(script=SCRIPT, dataset=args.dataset, device=str(device), world_size=world_size)
+    figures.update(epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size)
+    figures.update(global_batch_size=args.batch_size * world_size, threads=torch.get_num_threads())
+    figures.update(amp=args.amp, **averaging, train_seconds=seconds, total_seconds=total)
+    figures.update(samples_per_second=speed, final_train_loss=history[-1]["train_loss"] if history else None)
     figures.update(test_loss=test[0], test_accuracy=test[1], test_samples=test[2])
     figures.update(peak_rss_mib_per_rank=[p or None for p in peaks.tolist()], history=history)
     if args.metrics_json:
@@ -1506,7 +1505,6 @@ def write_on_rank0(args, path, write):
 
 
 def peak_memory_mib():
-    """Peak resident set so far, in MiB; None on Windows."""
     with contextlib.suppress(ImportError):
         import resource
 
@@ -1596,7 +1594,7 @@ def plural(n, word):
 
 
 def last_line(error):
-    """The gist of a distributed error: its last non-empty line, without the C++ source location."""
+    """A distributed error's gist: its last non-empty line, without the C++ source location."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
     gist = re.sub(r"\[[^\]\s]*:\d+\] ?", "", lines[-1])  # [/path/to/file.cpp:311]: where in C++ it was raised
     return re.sub(r"^\[[^\]]*\] ", "", gist).split(". ")[0].rstrip(".")
