@@ -537,8 +537,8 @@ def gradient_shortfall(model, world_size, failed=False):
 
 
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
-# Who started this process: the first launcher whose rank, world size and local rank are set (torchrun and
-# mpirun pass SLURM's on). Its variables in Launcher's order, the last ones its launch's ("-": it sets none).
+# The first launcher whose rank, world size and local rank are set started this process (torchrun and
+# mpirun pass SLURM's on). Its variables in Launcher's order, then its launch's ("-": it sets none).
 Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
 LAUNCHER_VARIABLES = {
     # GROUP_WORLD_SIZE counts the nodes, which may run different numbers of processes.
@@ -572,7 +572,7 @@ def parse_args(argv=None):
     args.by_host = launcher is not BY_HAND and launcher.machine is None
     vars(args).update(layout_flags(parser, args, launcher))  # and the launcher's rank and world size
     launched = args.rank is not None
-    args.local_rank = launcher_number(parser, launcher, launcher.local_rank, 0) if launched else 0
+    args.local_rank = env_number(parser, launcher, launcher.local_rank, 0) if launched else 0
     if not 0 <= args.machine_id < args.num_machines:
         parser.error(f"--machine-id must be in 0-{args.num_machines - 1} for {args.num_machines} machines")
     try:  # MASTER_PORT, unchecked so far
@@ -588,7 +588,7 @@ def parse_args(argv=None):
     ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
     # Where SLURM started each rank as a task, no other rank shares its SLURM_CPUS_PER_TASK.
-    cpus = launched and launcher.name == "SLURM" and launcher_number(parser, launcher, "SLURM_CPUS_PER_TASK")
+    cpus = launched and launcher.name == "SLURM" and env_number(parser, launcher, "SLURM_CPUS_PER_TASK")
     # Only rank 0's command names the files, so only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
     # Where the user set none, torchrun sets OMP_NUM_THREADS=1, absent from its own environment.
@@ -599,17 +599,17 @@ def parse_args(argv=None):
 
 
 def layout_flags(parser, args, launcher):
-    """The layout and rendezvous flags: as given (if the launcher agrees), else as it says, else default."""
-    rank = launcher_number(parser, launcher, launcher.rank, 0)
-    world_size = launcher_number(parser, launcher, launcher.world_size, 1)
-    machine = launcher_number(parser, launcher, launcher.machine)
-    local_size = launcher_number(parser, launcher, launcher.local_size, 1, index=machine or 0)
-    machines = launcher_number(parser, launcher, launcher.machines, -(-world_size // local_size))
+    """Layout and rendezvous flags: as given (if the launcher agrees), else as it says, else the default."""
+    rank = env_number(parser, launcher, launcher.rank, 0)
+    world_size = env_number(parser, launcher, launcher.world_size, 1)
+    machine = env_number(parser, launcher, launcher.machine)
+    local_size = env_number(parser, launcher, launcher.local_size, 1, index=machine or 0)
+    machines = env_number(parser, launcher, launcher.machines, -(-world_size // local_size))
     own = launcher.name == "SLURM" and world_size == machines  # a task a node: this script starts the rest
     addr, port = getenv("MASTER_ADDR", "").strip("[]") or None, getenv("MASTER_PORT")
     said = dict(master_addr=addr, master_port=port) if launcher.rank == "RANK" else {}  # env://'s store
     if launcher.name == "SLURM":  # a step's first node, and a port of its own: steps share nodes
-        job, step = (launcher_number(parser, launcher, f"SLURM_{v}_ID", 0) for v in ("JOB", "STEP"))
+        job, step = (env_number(parser, launcher, f"SLURM_{v}_ID", 0) for v in ("JOB", "STEP"))
         port = port or 15000 + (job * 97 + step) % 17000
         # The first host of its compressed list (no scontrol): rack07-n1 of rack[07-08]-n[1-2],gpu1.
         nodes = getenv("SLURM_STEP_NODELIST") or getenv("SLURM_JOB_NODELIST", "localhost")
@@ -636,8 +636,8 @@ def layout_flags(parser, args, launcher):
     return taken
 
 
-def launcher_number(parser, launcher, variable, default=None, index=0):
-    """A launcher's variable as a number; of SLURM's counts per node (2(x3),1: 2, 2, 2, 1), this node's."""
+def env_number(parser, launcher, variable, default=None, index=0):
+    """An environment variable as a number; of SLURM's counts per node (2(x3),1: 2, 2, 2, 1), this node's."""
     text = getenv(variable) if variable else None
     try:
         if text is None or text.isdigit():
@@ -700,7 +700,7 @@ def rendezvous(rank, is_master, args, listener):
 
 @contextlib.contextmanager
 def signals_heard_in_cpp():
-    """Ctrl-C and SIGTERM end the process even while its main thread waits, deaf to them, in a store call."""
+    """Ctrl-C and SIGTERM end the process even while a store call, deaf to them, holds the main thread."""
     read, write = os.pipe()
     before = None
     with contextlib.suppress(ValueError, AttributeError):  # not the main thread; Windows: no such pipe
@@ -1152,7 +1152,7 @@ def try_the_group(world_size, device, data, args):
         print0(f"Check passed: {plural(world_size, 'process')} on {machines} reached each other")
     best = "none"
     if args.num_machines > 1:
-        # DDP sends fc1's gradients while the backward computes the rest, about half a step.
+        # DDP sends fc1's gradients during the backward of the rest, about half a step.
         waits = {"none": max(0.0, network - compute / 2), "local-sgd": network / LOCAL_SGD_PERIOD}
         share = {c: wait / (compute + wait) for c, wait in waits.items()}
         best = "local-sgd" if share["none"] > 1 / 4 else "none"
@@ -1194,7 +1194,7 @@ def local_sgd(ddp, args, clock=None):
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp.parameters()), itertools.count()
-    apart = [False]  # the copies stepped alone since their last average
+    apart = [False]  # stepped alone since the last average
 
     def average():
         start = time.perf_counter()
@@ -1211,12 +1211,12 @@ def local_sgd(ddp, args, clock=None):
             average()
         apart[0] = True
 
-    def before_an_evaluation(module, inputs):  # every rank evaluates a batch at least
+    def before_a_test(module, inputs):  # every rank evaluates a batch at least
         if apart[0] and not module.training:
             average()
 
     ddp.register_forward_pre_hook(before_a_step)
-    ddp.module.register_forward_pre_hook(before_an_evaluation)
+    ddp.module.register_forward_pre_hook(before_a_test)
     state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
     return state, post_localSGD_hook.post_localSGD_hook
 
@@ -1265,7 +1265,7 @@ def prepare_data(args):
 
 
 def read_checkpoint(args, model, optimizer):
-    """Load --checkpoint, if there is one, into model and optimizer: its state, None, or why not (a line)."""
+    """Loads --checkpoint, if any, into model and optimizer: its state, None, or why not (a line)."""
     path = args.checkpoint
     if not os.path.exists(path):
         print(f"No checkpoint at {path} yet: starting from epoch 0", flush=True)
@@ -1291,7 +1291,7 @@ def read_checkpoint(args, model, optimizer):
 
 
 def on_rank0(args, work, *inputs):
-    """work(*inputs) on rank 0 alone, its result sent to every rank; a str, its error line, stops them all."""
+    """work(*inputs) on rank 0 alone, its result sent to all; a str (an error line) stops them all."""
     sent = [work(*inputs) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sent, src=0)
     if isinstance(sent[0], str):
