@@ -283,7 +283,7 @@ def main(argv=None):
 
 # ============================================================================================================
 # Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
-# M1-M3: this script's own rooms. S1-S9: the shared block, the same code as in convnet_distributed_cuda.py.
+# M1-M3: this script's own rooms; S1-S9: the block shared with convnet_distributed_cuda.py.
 # ============================================================================================================
 
 
@@ -296,8 +296,8 @@ def select_device(local_rank):
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def add(flag, help, **options):  # takes the article's spelling too: --batch_size
-        if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
+    def add(flag, help, **options):  # the article's --batch_size works too
+        if options.get("type") in (int, positive_int):  # --help shows N, not EPOCHS
             options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
@@ -582,12 +582,12 @@ def parse_args(argv=None):
     args.processes_here = here = getattr(args, parser.processes[0])
     args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here
     args.world_size = args.world_size if launched else args.num_machines * here
-    args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
+    args.machine_sizes = [here] * args.num_machines  # the roll call counts a launcher's
     args.launch_note = launch_note(args)
     ids = [getenv(v) for v in launcher.launch]
     ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
-    # Where SLURM started each rank as a task, no other rank shares its SLURM_CPUS_PER_TASK.
+    # Where SLURM started each rank as a task, SLURM_CPUS_PER_TASK is the rank's own.
     cpus = launched and launcher.name == "SLURM" and env_number(parser, launcher, "SLURM_CPUS_PER_TASK")
     # Only rank 0's command names the files, so only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
@@ -649,7 +649,6 @@ def env_number(parser, launcher, variable, default=None, index=0):
 
 
 def launch_note(args):
-    """What the layout line says of the launcher."""
     nodes = plural(args.num_machines, "node")
     if args.launcher == "torchrun" and (restart := getenv("TORCHELASTIC_RESTART_COUNT", "0")) != "0":
         return f"torchrun, restart {restart}"
@@ -733,7 +732,7 @@ def wait_for_machine0(own, rank, args):
 
 
 def watch_for_abort(own, done, real, rank, args):
-    """In a thread, with its own store client (the backend's may be busy in a call): abort_job's line."""
+    """In a thread, with its own store client (the backend's may be busy): abort_job's line."""
     try:
         store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
         own["store"] = attempt_store(store, args)
@@ -748,7 +747,7 @@ def watch_for_abort(own, done, real, rank, args):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket and port (--master-port, or a free one): bound, not listening till rank 0 serves."""
+    """Machine 0's socket and port (--master-port, or a free one), bound; it listens once rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     try:
@@ -1047,7 +1046,7 @@ def check_same_data(data, rank, device, args):
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
-PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the check
+PROBE_SIZE = 256 << 10  # a gradient bucket's: a path dropping large packets fails the check
 
 
 def abort_job(store, rank, args, line, end=sys.exit):
@@ -1057,7 +1056,7 @@ def abort_job(store, rank, args, line, end=sys.exit):
         with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it alone
             store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.5 s: let them read the line first
+        time.sleep(1)  # the others look every 0.5 s: they read it first
     if rank != args.first_rank:
         time.sleep(2)  # local rank 0 says the line
         end(1)
@@ -1073,7 +1072,7 @@ def reach_every_machine(store, rank, args):
     """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or rank != args.first_rank:
         return
-    n = args.num_machines  # each machine probes the next ones first: machine 0 is not everyone's first
+    n = args.num_machines  # each probes the next machines first: not all start with machine 0
     others = [(args.machine_id + k) % n for k in range(1, n)]
     # One wait, within --timeout, for both steps: machines that arrive apart meet.
     wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
@@ -1190,7 +1189,7 @@ def time_a_step(world_size, device, args):
 
 def local_sgd(ddp, args, clock=None):
     """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
-    copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
+    copies averaged (docs/compat.md) every LOCAL_SGD_PERIOD steps and before each test, and so saved."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp.parameters()), itertools.count()

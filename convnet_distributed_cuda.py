@@ -281,7 +281,7 @@ def main(argv=None):
 
 # ============================================================================================================
 # Machinery: what makes the story above fail clearly and run fast; a first reading may skip it.
-# M1-M2: this script's own rooms. S1-S9: the shared block, the same code as in convnet_distributed.py.
+# M1-M2: this script's own rooms; S1-S9: the block shared with convnet_distributed.py.
 # ============================================================================================================
 
 
@@ -289,8 +289,8 @@ def main(argv=None):
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def add(flag, help, **options):  # takes the article's spelling too: --batch_size
-        if options.get("type") in (int, positive_int):  # --help shows N, not the flag's name
+    def add(flag, help, **options):  # the article's --batch_size works too
+        if options.get("type") in (int, positive_int):  # --help shows N, not EPOCHS
             options["metavar"] = "N"
         p.add_argument(*dict.fromkeys([flag, "--" + flag[2:].replace("-", "_")]), help=help, **options)
 
@@ -315,7 +315,7 @@ def build_parser():
     add("--compress", compress, choices=["none", "local-sgd", "auto"], default="none")
     add("--timeout", "seconds to wait for peers (default: 300)", type=positive_float, default=300)
     add("--check", "make the group, average once, exit (default: off)", action="store_true")
-    p.processes = "num_gpu_processes", max(1, torch.cuda.device_count())  # the flag, and its default
+    p.processes = "num_gpu_processes", max(1, torch.cuda.device_count())  # its flag and default
     return p
 
 
@@ -323,7 +323,7 @@ def build_parser():
 def select_device(local_rank):
     """Made current: NCCL binds the rank to it."""
     keep_freed_memory()
-    local_rank %= torch.cuda.device_count()  # srun --gpus-per-task=1 shows a task its one GPU as cuda:0
+    local_rank %= torch.cuda.device_count()  # srun --gpus-per-task=1 shows a task its GPU as cuda:0
     torch.cuda.set_device(local_rank)
     torch.set_float32_matmul_precision("high")  # TF32, as cuDNN's convolutions
     return torch.device("cuda", local_rank)
@@ -332,7 +332,7 @@ def select_device(local_rank):
 def prepare_backend(store, rank, world_size, args):
     """NCCL's unauthenticated bootstrap on loopback in a one-machine job; ranks sharing a GPU stop."""
     if world_size == args.processes_here and not getenv("NCCL_SOCKET_IFNAME"):
-        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not every lo* name
+        os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not lo*
     index = torch.cuda.current_device()
     gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # each cuda:0 told apart
     host = socket.gethostname()
@@ -345,7 +345,7 @@ def prepare_backend(store, rank, world_size, args):
         abort_job(store, rank, args, f"{line} (a launcher's local rank, or CUDA_VISIBLE_DEVICES)")
 
 
-def averaging_words(allreduce, args):  # over Gloo where tests run on CPUs
+def averaging_words(allreduce, args):  # Gloo where tests run on CPUs
     how = "by NCCL" if allreduce == "nccl" else "over Gloo"
     if args.compress == "local-sgd":
         return f"copies averaged {how} every {LOCAL_SGD_PERIOD} steps (local SGD)"
@@ -360,7 +360,7 @@ def hook_gradients(ddp, args):
 
 
 def match_gradient_strides(model):
-    """cuDNN strides conv1's weight gradient its own way: else DDP warns ("Grad strides do not match")."""
+    """cuDNN strides conv1's weight gradient its own way: else DDP warns "Grad strides do not match"."""
 
     def restated(grad, p):  # strides differ only in size-1 dimensions: no element moves
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
@@ -425,12 +425,12 @@ def parse_args(argv=None):
     args.processes_here = here = getattr(args, parser.processes[0])
     args.first_rank = args.rank - args.local_rank if launched else args.machine_id * here
     args.world_size = args.world_size if launched else args.num_machines * here
-    args.machine_sizes = [here] * args.num_machines  # a launcher's: the roll call counts them
+    args.machine_sizes = [here] * args.num_machines  # the roll call counts a launcher's
     args.launch_note = launch_note(args)
     ids = [getenv(v) for v in launcher.launch]
     ids = ids if launcher.name else [socket.gethostname(), os.getpid(), LAUNCH_TIME]
     args.launch_id = "/".join(map(str, ids)) if ids and None not in ids else None
-    # Where SLURM started each rank as a task, no other rank shares its SLURM_CPUS_PER_TASK.
+    # Where SLURM started each rank as a task, SLURM_CPUS_PER_TASK is the rank's own.
     cpus = launched and launcher.name == "SLURM" and env_number(parser, launcher, "SLURM_CPUS_PER_TASK")
     # Only rank 0's command names the files, so only its machine checks them.
     files = (args.rank if launched else args.first_rank) == 0
@@ -492,7 +492,6 @@ def env_number(parser, launcher, variable, default=None, index=0):
 
 
 def launch_note(args):
-    """What the layout line says of the launcher."""
     nodes = plural(args.num_machines, "node")
     if args.launcher == "torchrun" and (restart := getenv("TORCHELASTIC_RESTART_COUNT", "0")) != "0":
         return f"torchrun, restart {restart}"
@@ -576,7 +575,7 @@ def wait_for_machine0(own, rank, args):
 
 
 def watch_for_abort(own, done, real, rank, args):
-    """In a thread, with its own store client (the backend's may be busy in a call): abort_job's line."""
+    """In a thread, with its own store client (the backend's may be busy): abort_job's line."""
     try:
         store = dist.TCPStore(args.master_addr, args.master_port, timeout=timedelta(seconds=args.timeout))
         own["store"] = attempt_store(store, args)
@@ -591,7 +590,7 @@ def watch_for_abort(own, done, real, rank, args):
 
 
 def claim_port(args, listener=None, serve=False):
-    """Machine 0's socket and port (--master-port, or a free one): bound, not listening till rank 0 serves."""
+    """Machine 0's socket and port (--master-port, or a free one), bound; it listens once rank 0 serves."""
     if args.machine_id != 0:
         return None, args.master_port
     try:
@@ -890,7 +889,7 @@ def check_same_data(data, rank, device, args):
 
 
 # ---- S4. Stopping together, and reaching every machine -----------------------------------------------------
-PROBE_SIZE = 256 << 10  # a gradient bucket's: a path that drops large packets fails the check
+PROBE_SIZE = 256 << 10  # a gradient bucket's: a path dropping large packets fails the check
 
 
 def abort_job(store, rank, args, line, end=sys.exit):
@@ -900,7 +899,7 @@ def abort_job(store, rank, args, line, end=sys.exit):
         with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it alone
             store.set("abort", line)
     if store is not None or rank == 0:
-        time.sleep(1)  # the others look every 0.5 s: let them read the line first
+        time.sleep(1)  # the others look every 0.5 s: they read it first
     if rank != args.first_rank:
         time.sleep(2)  # local rank 0 says the line
         end(1)
@@ -916,7 +915,7 @@ def reach_every_machine(store, rank, args):
     """Local rank 0 of each machine sends every other, at its roll call address, bytes that must come back."""
     if args.num_machines == 1 or rank != args.first_rank:
         return
-    n = args.num_machines  # each machine probes the next ones first: machine 0 is not everyone's first
+    n = args.num_machines  # each probes the next machines first: not all start with machine 0
     others = [(args.machine_id + k) % n for k in range(1, n)]
     # One wait, within --timeout, for both steps: machines that arrive apart meet.
     wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
@@ -1033,7 +1032,7 @@ def time_a_step(world_size, device, args):
 
 def local_sgd(ddp, args, clock=None):
     """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
-    copies averaged (docs/compat.md) before every LOCAL_SGD_PERIOD-th step and each test, and so saved."""
+    copies averaged (docs/compat.md) every LOCAL_SGD_PERIOD steps and before each test, and so saved."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp.parameters()), itertools.count()
