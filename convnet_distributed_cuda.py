@@ -345,7 +345,7 @@ def prepare_backend(store, rank, world_size, args):
         abort_job(store, rank, args, f"{line} (a launcher's local rank, or CUDA_VISIBLE_DEVICES)")
 
 
-def averaging_words(allreduce, args):  # Gloo where tests run on CPUs
+def averaging_words(allreduce, args):  # tests on CPUs use Gloo
     how = "by NCCL" if allreduce == "nccl" else "over Gloo"
     if args.compress == "local-sgd":
         return f"copies averaged {how} every {LOCAL_SGD_PERIOD} steps (local SGD)"
@@ -554,7 +554,7 @@ def signals_heard_in_cpp():
     finally:
         if before is not None:
             signal.set_wakeup_fd(before)
-        os.close(write)  # the thread reads the end, and returns
+        os.close(write)  # the thread reads the end and returns
 
 
 def exit_if_unheard(read):
@@ -917,7 +917,7 @@ def reach_every_machine(store, rank, args):
         return
     n = args.num_machines  # each probes the next machines first: not all start with machine 0
     others = [(args.machine_id + k) % n for k in range(1, n)]
-    # One wait, within --timeout, for both steps: machines that arrive apart meet.
+    # One wait, within --timeout, for both steps: machines arriving apart meet.
     wait = waiting(rank, args, lambda: "Waiting for the other machines at the network check")
 
     def echo(connection):  # sends the bytes back once all are in
@@ -932,7 +932,7 @@ def reach_every_machine(store, rank, args):
 
     with bound_socket(0) as listener:
         listener.listen()
-        listener.settimeout(1)  # accept() returns each second: serve sees the listener closed
+        listener.settimeout(1)  # accept() gives up each second: serve sees the listener closed
         threading.Thread(target=serve, daemon=True).start()
         store.set(f"probe/{args.machine_id}", f"{listener.getsockname()[1]} {socket.gethostname()}")
         try:
