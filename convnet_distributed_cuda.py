@@ -507,7 +507,7 @@ def rendezvous(rank, is_master, args, listener):
     """Yields TCPStore's options. A failure is one line on every machine; C++'s log waits for the group."""
     options = dict(timeout=timedelta(seconds=args.timeout), wait_for_workers=False)  # roll_call waits
     if is_master and (listener := claim_port(args, listener, serve=True)[0]):  # a launcher's rank 0 claims it
-        options.update(master_listen_fd=listener.detach(), use_libuv=False)
+        options.update(master_listen_fd=listener.detach(), use_libuv=torch.__version__ >= "2.8")
     elif listener:
         listener.close()
     if not is_master:  # machine 0's port refuses connections till its store serves
