@@ -334,7 +334,7 @@ def prepare_backend(store, rank, world_size, args):
     if world_size == args.processes_here and not getenv("NCCL_SOCKET_IFNAME"):
         os.environ["NCCL_SOCKET_IFNAME"] = "=lo"  # "=": lo exactly, not lo*
     index = torch.cuda.current_device()
-    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # each cuda:0 told apart
+    gpu = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))  # a GPU each process calls cuda:0
     host = socket.gethostname()
     mine = str(rank).encode()
     if gpu and (first := store.compare_set(key := f"gpu/{host} {gpu}", "", mine)) != mine:
@@ -360,7 +360,7 @@ def hook_gradients(ddp, args):
 
 
 def match_gradient_strides(model):
-    """cuDNN strides conv1's weight gradient its own way: else DDP warns "Grad strides do not match"."""
+    """cuDNN strides conv1's weight gradient its own way: else DDP copies it ("Grad strides do not match")."""
 
     def restated(grad, p):  # strides differ only in size-1 dimensions: no element moves
         same = all(a == b for a, b, n in zip(grad.stride(), p.stride(), p.shape) if n > 1)
@@ -381,7 +381,7 @@ def match_gradient_strides(model):
 
 # ---- S1. Launchers: who started this process, and the layout it says ---------------------------------------
 # The first launcher whose rank, world size and local rank are set started this process (torchrun and
-# mpirun pass SLURM's on). Its variables in Launcher's order, then its launch's ("-": it sets none).
+# mpirun pass SLURM's on). Each one's variables in Launcher's order ("-": it sets none), then its launch's.
 Launcher = namedtuple("Launcher", "name rank world_size local_rank local_size machine machines launch")
 LAUNCHER_VARIABLES = {
     # GROUP_WORLD_SIZE counts the nodes, which may run different numbers of processes.
@@ -755,7 +755,7 @@ def wait_for_ready(store, rank, world_size, args, me, far):
     """Rank 0's "ready", written once all have checked in: each rank's machine and each machine's address."""
     keys = [f"rank/{r}" for r in range(world_size)]
 
-    def progress():  # rank 0 names who is missing: machines if started by hand, else ranks
+    def progress():  # rank 0 names who is missing: machines where the layout says (by hand), else ranks
         if rank != 0:
             return f"Waiting for all {world_size} processes to join at {args.master_addr}:{args.master_port}"
         gone = [r for r, key in enumerate(keys) if not store.check([key])]
@@ -856,7 +856,8 @@ def count_machines(records, args):
 
 
 def with_rank0s_files(args, **decided):
-    """A record of args, decided and rank 0's file flags; another machine's own go unused, said once."""
+    """A copy of args with the decided values and, on the other ranks, whether rank 0 set each file flag (its
+    paths stay on rank 0); another machine's own file flags go unused, said once."""
     said = [{k: getattr(args, k) for k in RANK0_FLAGS}]
     dist.broadcast_object_list(said, src=0)  # over the group: the store is unauthenticated
     unused = ", ".join(flag_words(k, v) for k in RANK0_FLAGS if (v := getattr(args, k)) and v != said[0][k])
@@ -984,7 +985,8 @@ LOCAL_SGD_PERIOD = 64  # --compress local-sgd: steps each copy takes alone betwe
 
 
 def try_the_group(world_size, device, data, args):
-    """Compares the data, runs --check, times the link for --compress; returns args with rank 0's files."""
+    """Compares the data, runs --check, times the link for --compress; returns args with rank 0's files and
+    the --compress taken (every rank decides it alike, from the same figures)."""
     if data is not None:  # else a machine with other files trains on them
         check_same_data(data, dist.get_rank(), device, args)
     if args.check or args.num_machines > 1:
@@ -1024,7 +1026,8 @@ def time_a_step(world_size, device, args):
         seconds.append([computed - start, time.perf_counter() - computed])
     if not grads.eq(world_size).all():
         sys.exit(f"error: the check summed {grads.min():g} over {world_size} processes: {BACKEND} lost some")
-    # Best of 3; one MAX over ranks: the slowest computing, the last arrival's (shortest) average negated.
+    # The fastest of 3 (the first sets up). One MAX over the ranks: the slowest computing, and (negated) the
+    # shortest average, the one the last rank to arrive saw.
     fastest = torch.tensor(seconds, device=device).min(dim=0).values * torch.tensor([1, -1], device=device)
     dist.all_reduce(fastest, op=dist.ReduceOp.MAX)
     return 1000 * fastest[0].item(), -1000 * fastest[1].item(), 4 * grads.numel()
@@ -1032,7 +1035,8 @@ def time_a_step(world_size, device, args):
 
 def local_sgd(ddp, args, clock=None):
     """--compress local-sgd: torch's hook that leaves each copy its gradients, and its state (else None); the
-    copies averaged (docs/compat.md) every LOCAL_SGD_PERIOD steps and before each test, and so saved."""
+    copies averaged (docs/compat.md) every LOCAL_SGD_PERIOD steps and before each evaluation: the test set and
+    the checkpoint see the job's model, not rank 0's copy."""
     if args.compress != "local-sgd":
         return None
     params, steps = list(ddp.parameters()), itertools.count()
@@ -1053,12 +1057,12 @@ def local_sgd(ddp, args, clock=None):
             average()
         apart[0] = True
 
-    def before_a_test(module, inputs):  # every rank evaluates a batch at least
+    def before_an_evaluation(module, inputs):  # every rank evaluates a batch at least
         if apart[0] and not module.training:
             average()
 
     ddp.register_forward_pre_hook(before_a_step)
-    ddp.module.register_forward_pre_hook(before_a_test)
+    ddp.module.register_forward_pre_hook(before_an_evaluation)
     state = post_localSGD_hook.PostLocalSGDState(None, None, 0, post_local_gradient_allreduce=False)
     return state, post_localSGD_hook.post_localSGD_hook
 
@@ -1325,7 +1329,7 @@ def report(args, device, history, seconds, samples, test, **averaging):
     world_size = dist.get_world_size()
     peaks = torch.zeros(world_size, dtype=torch.float64, device=device)
     peaks[dist.get_rank()] = peak_memory_mib() or 0  # 0: none measured (Windows)
-    dist.all_reduce(peaks)
+    dist.all_reduce(peaks)  # a tensor, not objects: no rank unpickles what another sends
     speed = len(history) * samples / seconds if seconds else None
     total = time.time() - LAUNCH_TIME
     print0(f"Train loop {seconds:.2f} s ({speed or 0:.0f} samples/s); launch to end {total:.2f} s")

@@ -184,7 +184,6 @@ def plural(n, word):
 
 
 def peak_memory_mib():
-    """Peak resident set so far, in MiB; None on Windows."""
     with contextlib.suppress(ImportError):
         import resource
 
@@ -202,7 +201,7 @@ def resume(model, optimizer, args):
 
 
 def read_checkpoint(args, model, optimizer):
-    """Load --checkpoint, if there is one, into model and optimizer: its state, None, or why not (a line)."""
+    """Loads --checkpoint, if any, into model and optimizer: its state, None, or why not (a line)."""
     path = args.checkpoint
     if not os.path.exists(path):
         print(f"No checkpoint at {path} yet: starting from epoch 0", flush=True)
@@ -293,7 +292,7 @@ def positive_float(text, kind=float):
 
 
 def getenv(name, default=None):
-    """An environment variable, or default where unset or empty: `VAR=` means unset."""
+    """os.environ.get, but `VAR=` (empty) counts as unset."""
     return os.environ.get(name) or default
 
 
@@ -420,21 +419,21 @@ def stop_line(stop, path, before, stopped=""):
 
 def exit_at_once(end=0):
     """sys.exit(end), end also what ended the run, without the teardown: it pages torch in to unload it."""
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+    with contextlib.suppress(ValueError):  # not the main thread
         for signum in (signal.SIGINT, signal.SIGTERM):  # a stop must not cut the exit short
             signal.signal(signum, signal.SIG_IGN)
-    if isinstance(end, SystemExit):  # a stop's too: 130 or 143 (raise_on_signals)
+    if isinstance(end, SystemExit):  # a stop's too (130 or 143)
         end = end.code
-    elif isinstance(end, KeyboardInterrupt):  # a Ctrl-C before raise_on_signals: a stop all the same
+    elif isinstance(end, KeyboardInterrupt):  # a Ctrl-C before raise_on_signals is a stop too
         end = 130
     elif isinstance(end, BaseException):  # a bug: its traceback, and 1
         end = "".join(traceback.format_exception(end)).rstrip()
     if end is not None and not isinstance(end, int):
-        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in between
+        sys.stderr.write(f"{end}\n")  # one write: print's two let another process's line in
         end = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if os.name == "posix":  # os._exit drops C's stdio buffers: fflush(NULL) flushes them
+    if os.name == "posix":  # os._exit drops C's stdio buffers: flush them
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).fflush(None)
     os._exit(end or 0)
