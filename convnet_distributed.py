@@ -20,12 +20,14 @@ import ctypes
 import errno
 import gzip
 import hashlib
+import importlib
 import io
 import ipaddress
 import itertools
 import json
 import logging
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -54,20 +56,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-# Imported before any process group: else Gloo's threads can abort the exit (docs/compat.md).
-from torchvision import datasets
-
 # ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "Gloo"  # as failure lines name it
 TEST_BATCH_SIZE = 128  # small: on a CPU its activations stay in cache
 # Fork on Linux: a worker starts at once with the launcher's data. macOS's libraries are not fork-safe.
 START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
-# Each --dataset's class, and the mean and std of its training pixels in [0, 1].
-DATASETS = {
-    "mnist": (datasets.MNIST, 0.1302, 0.3069),
-    "fashion-mnist": (datasets.FashionMNIST, 0.2860, 0.3530),
-}
+# Each --dataset's folder (torchvision's class), and the mean and std of its training pixels in [0, 1].
+DATASETS = {"mnist": ("MNIST", 0.1302, 0.3069), "fashion-mnist": ("FashionMNIST", 0.2860, 0.3530)}
+# Their idx files, unpacked, as torchvision names them.
+FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 
 
 def print0(message):
@@ -98,17 +96,21 @@ class ConvNet(nn.Module):
 
 # ---- 3. Data
 def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0], "raw")
 
 
 def load_data(args):
     """Both splits: uint8 images [N, 28, 28], int64 labels [N]."""
-    try:
-        train, test = (DATASETS[args.dataset][0](args.data_dir, train=t) for t in (True, False))
-    except Exception as e:
-        where = f"{args.dataset} from {raw_folder(args)}/"
-        sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
-    return train.data, train.targets, test.data, test.targets
+    tensors = []
+    for name, dims in zip(FILES, [3, 1, 3, 1]):
+        path = os.path.join(raw_folder(args), name)
+        try:  # idx: 0, 0, 8 (bytes), dims, each size (4 bytes, big-endian), the data; damage fails the view
+            data = bytearray(pathlib.Path(path).read_bytes())  # writable, as torch.frombuffer wants
+            shape = [int.from_bytes(data[i : i + 4], "big") for i in range(4, 4 + 4 * dims, 4)]
+            tensors.append(torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).view(shape))
+        except Exception as e:
+            sys.exit(f"error: cannot read {args.dataset} from {path} ({type(e).__name__}: {e}): replace it")
+    return [t.long() if t.dim() == 1 else t for t in tensors]  # labels as nll_loss takes them
 
 
 def to_input(images, dataset):
@@ -129,6 +131,7 @@ def join_group(rank, world_size, args, listener=None):
     with rendezvous(rank, is_master, args, listener) as options:  # a failure: one line on every machine
         store = dist.TCPStore(args.master_addr, args.master_port, world_size, is_master, **options)
         store, job = roll_call(store, rank, world_size, args)  # every process checks in, or all stop
+        importlib.import_module("torch._dynamo")  # as DDP would, but before the group (docs/compat.md)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return job
 
@@ -531,7 +534,7 @@ def gradient_shortfall(model, world_size, failed=False):
 
 # ============================================================================================================
 # Shared block: edited in convnet_distributed.py; `python tools/sync_shared_block.py` copies it into
-# convnet_distributed_cuda.py (CI checks). It needs from its script: ConvNet, DATASETS, BACKEND,
+# convnet_distributed_cuda.py (CI checks). It needs from its script: ConvNet, DATASETS, FILES, BACKEND,
 # CHECKPOINT_FORMAT, START_METHOD, LAUNCH_TIME, build_parser, prepare_backend, averaging_words, worker, print0
 # and raw_folder.
 # ============================================================================================================
@@ -1238,8 +1241,8 @@ def resume(model, optimizer, args):
 
 def prepare_data(args):
     """Unpack .gz files placed by hand, else download; each file renamed into place whole."""
-    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
-    paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
+    folder = raw_folder(args)
+    paths = [os.path.join(folder, name) for name in FILES]
     for path in [p for p in paths if not os.path.isfile(p) and os.path.isfile(p + ".gz")]:
         try:  # a stop goes on up
             with gzip.open(path + ".gz") as src:
@@ -1256,10 +1259,12 @@ def prepare_data(args):
         sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
+        from torchvision import datasets  # only to download: its import takes a second
+
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
-            cls(private, download=True)
-            for path in paths:  # atomic within one file system, NFS included
-                os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
+            getattr(datasets, DATASETS[args.dataset][0])(private, download=True)
+            for path in paths:  # from the same layout; atomic within one file system, NFS included
+                os.replace(os.path.join(private, os.path.relpath(path, args.data_dir)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         names = ", ".join(map(os.path.basename, paths)) + " (gzipped or not)"
@@ -1332,8 +1337,7 @@ def file_version(path):
 def stop_line(stop, path, before, stopped=""):
     """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
     line = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped
-    now = file_version(path)
-    if now is None:
+    if (now := file_version(path)) is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
         return f"{line}; no epoch completed since this launch: {path} is as it was before"
@@ -1578,11 +1582,8 @@ def cgroup_cpus():
             names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
             for up in range(path.count("/") + 1):  # its cgroup, and those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    for name in names:
-                        with open(f"{folder}/{name}") as file:
-                            text += file.read() + " "
+                    text = " ".join(pathlib.Path(folder, name).read_text() for name in names)
                     quota, period = map(int, text.split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota

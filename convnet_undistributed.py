@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -25,13 +26,14 @@ LAUNCH_TIME = time.time()  # before the imports: total_seconds counts them
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.datasets import MNIST, FashionMNIST
 
 # ---- 1. Constants
 CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 TEST_BATCH_SIZE = 128  # its activations stay in a CPU's cache
-# --dataset: its class, its training pixels' mean and std in [0, 1]
-DATASETS = {"mnist": (MNIST, 0.1302, 0.3069), "fashion-mnist": (FashionMNIST, 0.2860, 0.3530)}
+# --dataset: its folder (torchvision's class), its training pixels' mean and std in [0, 1]
+DATASETS = {"mnist": ("MNIST", 0.1302, 0.3069), "fashion-mnist": ("FashionMNIST", 0.2860, 0.3530)}
+# Their idx files, unpacked, as torchvision names them.
+FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 
 
 # ---- 2. The model
@@ -57,8 +59,8 @@ class ConvNet(nn.Module):
 # ---- 3. Data
 def prepare_data(args):
     """Unpack .gz files placed by hand, else download; each file renamed into place whole."""
-    cls, folder = DATASETS[args.dataset][0], raw_folder(args)
-    paths = [os.path.join(folder, os.path.splitext(name)[0]) for name, _ in cls.resources]
+    folder = raw_folder(args)
+    paths = [os.path.join(folder, name) for name in FILES]
     for path in [p for p in paths if not os.path.isfile(p) and os.path.isfile(p + ".gz")]:
         try:  # a stop goes on up
             with gzip.open(path + ".gz") as src:
@@ -75,10 +77,12 @@ def prepare_data(args):
         sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
+        from torchvision import datasets  # only to download: its import takes a second
+
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
-            cls(private, download=True)
-            for path in paths:  # atomic within one file system, NFS included
-                os.replace(os.path.join(private, cls.__name__, "raw", os.path.basename(path)), path)
+            getattr(datasets, DATASETS[args.dataset][0])(private, download=True)
+            for path in paths:  # from the same layout; atomic within one file system, NFS included
+                os.replace(os.path.join(private, os.path.relpath(path, args.data_dir)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
         names = ", ".join(map(os.path.basename, paths)) + " (gzipped or not)"
@@ -88,17 +92,21 @@ def prepare_data(args):
 
 
 def raw_folder(args):
-    return os.path.join(args.data_dir, DATASETS[args.dataset][0].__name__, "raw")
+    return os.path.join(args.data_dir, DATASETS[args.dataset][0], "raw")
 
 
 def load_data(args):
     """Both splits: uint8 images [N, 28, 28], int64 labels [N]."""
-    try:
-        train, test = (DATASETS[args.dataset][0](args.data_dir, train=t) for t in (True, False))
-    except Exception as e:
-        where = f"{args.dataset} from {raw_folder(args)}/"
-        sys.exit(f"error: cannot read {where} ({type(e).__name__}: {e}); a file there is damaged: replace it")
-    return train.data, train.targets, test.data, test.targets
+    tensors = []
+    for name, dims in zip(FILES, [3, 1, 3, 1]):
+        path = os.path.join(raw_folder(args), name)
+        try:  # idx: 0, 0, 8 (bytes), dims, each size (4 bytes, big-endian), the data; damage fails the view
+            data = bytearray(pathlib.Path(path).read_bytes())  # writable, as torch.frombuffer wants
+            shape = [int.from_bytes(data[i : i + 4], "big") for i in range(4, 4 + 4 * dims, 4)]
+            tensors.append(torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).view(shape))
+        except Exception as e:
+            sys.exit(f"error: cannot read {args.dataset} from {path} ({type(e).__name__}: {e}): replace it")
+    return [t.long() if t.dim() == 1 else t for t in tensors]  # labels as nll_loss takes them
 
 
 def to_input(images, dataset):
@@ -122,7 +130,6 @@ def train(model, optimizer, data, args):
     print(f"World size 1 = 1 process; batch {args.batch_size}; {threads}; no gradient averaging")
     seconds, history = 0.0, []  # the training loop's time, each epoch's figures
     train_loss = None
-    n_test = len(test_labels)
     for epoch in range(start_epoch, args.epochs):
         torch.manual_seed(args.seed + epoch)  # a resumed run's dropout masks: an unbroken run's
         batches = epoch_batches(len(train_labels), epoch, args.batch_size, args.seed)
@@ -131,7 +138,7 @@ def train(model, optimizer, data, args):
         seconds += time.perf_counter() - start
         loss, accuracy = evaluate(model, test_images, test_labels, args)
         release_freed_memory()
-        correct = f"{round(accuracy * n_test)}/{n_test} ({accuracy:.2%})"
+        correct = f"{round(accuracy * len(test_labels))}/{len(test_labels)} ({accuracy:.2%})"
         print(f"Test set, epoch {epoch}: average loss {loss:.4f}, accuracy {correct}")
         history.append(dict(epoch=epoch, train_loss=train_loss, test_loss=loss, test_accuracy=accuracy))
         if args.checkpoint:
@@ -149,7 +156,7 @@ def train(model, optimizer, data, args):
     metrics.update(epochs=args.epochs, epochs_trained=len(history), batch_size=args.batch_size, amp=args.amp)
     metrics.update(global_batch_size=args.batch_size, threads=args.threads, train_seconds=seconds)
     metrics.update(total_seconds=total, samples_per_second=speed, test_loss=loss, test_accuracy=accuracy)
-    metrics.update(final_train_loss=train_loss, test_samples=n_test, peak_rss_mib=peak_memory_mib())
+    metrics.update(final_train_loss=train_loss, test_samples=len(test_labels), peak_rss_mib=peak_memory_mib())
     text = json.dumps(dict(metrics, history=history), indent=2) + "\n"
     if args.metrics_json and (error := write_atomically(args.metrics_json, lambda f: f.write(text.encode()))):
         sys.exit(error)
@@ -334,11 +341,8 @@ def cgroup_cpus():
             names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
             for up in range(path.count("/") + 1):  # its cgroup, and those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
-                text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    for name in names:
-                        with open(f"{folder}/{name}") as file:
-                            text += file.read() + " "
+                    text = " ".join(pathlib.Path(folder, name).read_text() for name in names)
                     quota, period = map(int, text.split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
@@ -409,8 +413,7 @@ def file_version(path):
 def stop_line(stop, path, before, stopped=""):
     """A stop's (130, 143) line: the signal, what stopped, what --checkpoint (path) holds against before."""
     line = ("Terminated (SIGTERM)" if stop.code == 143 else "Interrupted") + stopped
-    now = file_version(path)
-    if now is None:
+    if (now := file_version(path)) is None:
         return line + (f"; no epoch completed, so nothing was saved to {path}" if path else "")
     if now == before:
         return f"{line}; no epoch completed since this launch: {path} is as it was before"

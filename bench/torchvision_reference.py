@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.utils.data import DataLoader
-from torchvision import transforms
+from torchvision import datasets, transforms
 
 from common import write_json
 from convnet_undistributed import (
@@ -74,7 +74,8 @@ def build_parser():
 
 
 def datasets_for(args):
-    cls, mean, std = DATASETS[args.dataset]
+    name, mean, std = DATASETS[args.dataset]
+    cls = getattr(datasets, name)
     prepare_data(
         SimpleNamespace(dataset=args.dataset, data_dir=args.data_dir)
     )  # unpacks .gz files placed by hand

@@ -149,6 +149,7 @@ def test_shared_code_is_the_same_in_both_distributed_scripts(name):
 def test_constants_are_the_same():
     for m in MODULES:
         assert m.DATASETS == convnet_undistributed.DATASETS
+        assert m.FILES == convnet_undistributed.FILES
         assert m.CHECKPOINT_FORMAT == convnet_undistributed.CHECKPOINT_FORMAT
     assert convnet_undistributed.TEST_BATCH_SIZE == convnet_distributed.TEST_BATCH_SIZE  # the CPU scripts'
     assert convnet_distributed.LAUNCHERS == convnet_distributed_cuda.LAUNCHERS

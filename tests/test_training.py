@@ -352,15 +352,45 @@ def test_torchrun_restarts_a_killed_rank_and_the_group_resumes_from_the_checkpoi
     assert restarted["test_accuracy"] == whole["test_accuracy"]
 
 
+# The GPU script on the CPU: one fake GPU, NCCL become Gloo (as tests/test_cuda_script.py's FAKE_GPUS).
+FAKE_GPU = """
+torch.cuda.is_available, torch.cuda.device_count = lambda: True, lambda: 1
+torch.cuda.set_device, torch.cuda.current_device = lambda index: None, lambda: 0
+torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid="GPU-a")
+script.select_device = lambda rank, select=script.select_device: (select(rank), torch.device("cpu"))[1]
+"""
+
+
 @pytest.mark.parametrize("script", ["convnet_distributed.py", "convnet_distributed_cuda.py"])
-def test_dynamo_is_imported_before_any_process_group(script):
+def test_dynamo_is_imported_just_before_the_process_group(script, data_dir):
     """DDP's constructor imports torch._dynamo. Imported only then, after the process group exists, it kept
     Gloo's threads alive past destroy_process_group(), and 1 run in 7 of a 3-process job aborted at exit.
-    The scripts import it first (through torchvision): this fails if that import goes."""
-    code = f"import sys; import {os.path.splitext(script)[0]}; print('torch._dynamo' in sys.modules)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    The scripts import it just before the group: this fails if that import goes or moves after it. Not at the
+    top, nor torchvision (which imports it): a process that stops before the group (--help, a flag, the roll
+    call) is spared a second of CPU."""
+    one = [] if "cuda" in script else ["--num-processes", "1"]  # one process: the one this code patches
+    argv = ["--check", "--data-dir", data_dir, "--master-port", str(free_port()), *one]
+    code = f"""
+import sys, types, torch, torch.distributed as dist
+import {os.path.splitext(script)[0]} as script
+print("imported:", "torch._dynamo" in sys.modules, "torchvision" in sys.modules)
+{FAKE_GPU if "cuda" in script else ""}
+def spy(backend, *, device_id=None, init=dist.init_process_group, **kwargs):
+    print("at the group:", "torch._dynamo" in sys.modules, flush=True)
+    return init("gloo", **kwargs)
+dist.init_process_group = spy
+try:
+    script.main({argv!r})
+except SystemExit as e:
+    script.exit_at_once(e)
+script.exit_at_once()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=script_env()
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "True"
+    lines = done.stdout.splitlines()
+    assert lines[0] == "imported: False False" and "at the group: True" in lines, done.stdout
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's allocator")
