@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 # OpenMP's threads spin while they wait for work, and a spinning thread takes a core from every other process:
-# two runs side by side on 2 cores (pytest.ini's two workers, or a job of more processes than cores) trained
+# two runs side by side on 2 cores (pytest.ini's workers, or a job of more processes than cores) trained
 # 7x slower (15.4 s an epoch against 2.2 s; alone, 1.43 s against 1.48 s). Every run the tests start, and this
 # process, whose torch is not imported yet, sleep while they wait instead; a value already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -103,9 +103,9 @@ def pytest_collection_modifyitems(items):
 
 
 def run_order(item):
-    """The quick files' tests last: each takes a second or less, so they keep both workers busy to the end.
-    Just before them the `alone` tests: each waits for the other worker's test to end, there an `alone` or a
-    quick one, not one of the long tests before."""
+    """The quick files' tests last: each takes a second or less, so they keep every worker busy to the end.
+    Just before them the `alone` tests: each waits for the other workers' tests to end, there `alone` or
+    quick ones, not the long tests before."""
     if item.nodeid.rpartition("/")[2].partition("::")[0] in QUICK:
         return 2
     return 1 if item.get_closest_marker("alone") else 0
@@ -113,7 +113,7 @@ def run_order(item):
 
 @pytest.fixture(autouse=True)
 def alone_if_marked(request, tmp_path_factory):
-    """pytest.ini runs the tests on two pytest-xdist workers side by side. A test marked `alone` (a time bound
+    """pytest.ini runs the tests on pytest-xdist workers side by side. A test marked `alone` (a time bound
     with little room, or a timing of its own) runs with no other test beside it: each test holds a shared lock
     on a file of this run, an `alone` test an exclusive one. A gate before the lock lets no test start while
     an `alone` test waits for it. Nothing to do where the tests run in one process."""

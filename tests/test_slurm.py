@@ -29,8 +29,8 @@ import pytest
 
 from conftest import N_TEST, REPO, read_json, script_env
 
-# One cluster for the module, on one pytest-xdist worker, beside the other tests that make network namespaces.
-pytestmark = pytest.mark.xdist_group("netns")
+# One cluster for the module, on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 TOOLS = (
     "slurmctld",
