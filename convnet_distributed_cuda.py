@@ -27,7 +27,6 @@ import itertools
 import json
 import logging
 import os
-import pathlib
 import re
 import shutil
 import signal
@@ -59,9 +58,9 @@ CHECKPOINT_FORMAT = "convnet-mnist-checkpoint-v1"
 BACKEND = "NCCL"  # as failure lines name it
 TEST_BATCH_SIZE = 1000  # large: a GPU does it in about the time of a small one
 START_METHOD = "spawn"  # CUDA cannot run in a forked child of a process that has used it
-# Each --dataset's folder (torchvision's class), and the mean and std of its training pixels in [0, 1].
+# Each --dataset's folder, and the mean and std of its training pixels in [0, 1]; then the files in it.
+# Folder and file names are torchvision's, which downloads them (FILES unpacked).
 DATASETS = {"mnist": ("MNIST", 0.1302, 0.3069), "fashion-mnist": ("FashionMNIST", 0.2860, 0.3530)}
-# Their idx files, unpacked, as torchvision names them.
 FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
 
 
@@ -101,13 +100,14 @@ def load_data(args):
     tensors = []
     for name, dims in zip(FILES, [3, 1, 3, 1]):
         path = os.path.join(raw_folder(args), name)
-        try:  # idx: 0, 0, 8 (bytes), dims, each size (4 bytes, big-endian), the data; damage fails the view
-            data = bytearray(pathlib.Path(path).read_bytes())  # writable, as torch.frombuffer wants
+        try:  # idx: 0, 0, 8 (bytes), dims, sizes (4 bytes, big-endian), data; a damaged file fails the view
+            with open(path, "rb") as f:
+                data = bytearray(f.read())  # writable, as torch.frombuffer wants
             shape = [int.from_bytes(data[i : i + 4], "big") for i in range(4, 4 + 4 * dims, 4)]
             tensors.append(torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).view(shape))
         except Exception as e:
             sys.exit(f"error: cannot read {args.dataset} from {path} ({type(e).__name__}: {e}): replace it")
-    return [t.long() if t.dim() == 1 else t for t in tensors]  # labels as nll_loss takes them
+    return [t.long() if t.dim() == 1 else t for t in tensors]
 
 
 def to_input(images, dataset):
@@ -1101,7 +1101,7 @@ def prepare_data(args):
         sys.exit(f"error: cannot make {folder}/ ({e.strerror}): give a --data-dir this user may write to")
     socket.setdefaulttimeout(30)  # a lossy network fails in seconds, not minutes
     try:
-        from torchvision import datasets  # only to download: its import takes a second
+        from torchvision import datasets  # only to download: a second to import
 
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
             getattr(datasets, DATASETS[args.dataset][0])(private, download=True)
@@ -1424,8 +1424,11 @@ def cgroup_cpus():
             names = ["cpu.cfs_quota_us", "cpu.cfs_period_us"] if v1 else ["cpu.max"]
             for up in range(path.count("/") + 1):  # its cgroup, and those above
                 folder = ("/sys/fs/cgroup/cpu" if v1 else "/sys/fs/cgroup") + path.rsplit("/", up)[0]
+                text = ""
                 with contextlib.suppress(OSError, ValueError):  # v2's "max" is no quota
-                    text = " ".join(pathlib.Path(folder, name).read_text() for name in names)
+                    for name in names:
+                        with open(f"{folder}/{name}") as file:
+                            text += file.read() + " "
                     quota, period = map(int, text.split())
                     quotas.append(-(-quota // period))
     return min((q for q in quotas if q > 0), default=None)  # v1's -1 is no quota
