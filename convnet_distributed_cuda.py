@@ -98,11 +98,12 @@ def raw_folder(args):
 def load_data(args):
     """Both splits: uint8 images [N, 28, 28], int64 labels [N]."""
     tensors = []
-    for name, dims in zip(FILES, [3, 1, 3, 1]):
-        path = os.path.join(raw_folder(args), name)
-        try:  # idx: 0, 0, 8 (bytes), dims, sizes (4 bytes, big-endian), data; a damaged file fails the view
+    for path, dims in zip([os.path.join(raw_folder(args), name) for name in FILES], [3, 1, 3, 1]):
+        try:  # idx: 0, 0, 8 (bytes), dims, each size (big-endian int32), the data
             with open(path, "rb") as f:
                 data = bytearray(f.read())  # writable, as torch.frombuffer wants
+            if data[:4] != bytes([0, 0, 8, dims]):
+                raise ValueError("not an idx file of bytes")
             shape = [int.from_bytes(data[i : i + 4], "big") for i in range(4, 4 + 4 * dims, 4)]
             tensors.append(torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * dims).view(shape))
         except Exception as e:
@@ -1105,7 +1106,7 @@ def prepare_data(args):
 
         with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as private:
             getattr(datasets, DATASETS[args.dataset][0])(private, download=True)
-            for path in paths:  # from the same layout; atomic within one file system, NFS included
+            for path in paths:  # atomic within one file system, NFS included
                 os.replace(os.path.join(private, os.path.relpath(path, args.data_dir)), path)
     except Exception as e:
         reason = (str(e).strip() or type(e).__name__).splitlines()[-1]
@@ -1172,8 +1173,7 @@ def write_atomically(path, write):
 def file_version(path):
     """None if absent; a rename puts a new inode in place."""
     with contextlib.suppress(OSError, TypeError):
-        found = os.stat(path)
-        return found.st_ino, found.st_mtime_ns, found.st_size
+        return (found := os.stat(path)).st_ino, found.st_mtime_ns, found.st_size
 
 
 def stop_line(stop, path, before, stopped=""):

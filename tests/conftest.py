@@ -143,7 +143,7 @@ def data_dir(tmp_path_factory):
 
 def free_port():
     """A port free now, below the ephemeral range (as test_multihost.py's random_port): the kernel hands the
-    ports of that range to outgoing connections, the other pytest worker's Gloo and store ones among them, and
+    ports of that range to outgoing connections, the other pytest workers' Gloo and store ones among them, and
     one could take a port handed out from it before the script listens on it."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])

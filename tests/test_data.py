@@ -88,16 +88,26 @@ def test_missing_data_offline_is_one_clear_line_and_one_download_per_machine(
     assert len(CountingProxy.requests) == 1, CountingProxy.requests
 
 
-def test_damaged_data_file_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    "name, damage",
+    [
+        ("train-images-idx3-ubyte", lambda data: data[:5000]),
+        ("train-labels-idx1-ubyte", lambda data: b"\0\0\x0d\x01" + data[4:]),  # an idx file of floats
+    ],
+    ids=["truncated", "another type"],
+)
+def test_damaged_data_file_is_a_clear_error(tmp_path, name, damage):
+    """A truncated file, or one whose header says another type: one line naming the file. The second trained
+    on garbage once the scripts read the idx files themselves, without the magic's check."""
     write_dataset(str(tmp_path))
-    path = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
-    path.write_bytes(path.read_bytes()[:5000])
+    path = tmp_path / "MNIST" / "raw" / name
+    path.write_bytes(damage(path.read_bytes()))
     result = run_script(
         "convnet_distributed.py", "--data-dir", tmp_path, "--master-port", free_port(), timeout=60
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "cannot read mnist" in result.stderr and "replace it" in result.stderr
+    assert f"cannot read mnist from {path}" in result.stderr and "replace it" in result.stderr
 
 
 def test_data_dir_that_is_a_file_is_a_usage_error(tmp_path):

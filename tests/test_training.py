@@ -367,9 +367,9 @@ def test_dynamo_is_imported_just_before_the_process_group(script, data_dir):
     Gloo's threads alive past destroy_process_group(), and 1 run in 7 of a 3-process job aborted at exit.
     The scripts import it just before the group: this fails if that import goes or moves after it. Not at the
     top, nor torchvision (which imports it): a process that stops before the group (--help, a flag, the roll
-    call) is spared a second of CPU."""
-    one = [] if "cuda" in script else ["--num-processes", "1"]  # one process: the one this code patches
-    argv = ["--check", "--data-dir", data_dir, "--master-port", str(free_port()), *one]
+    call) is spared a second of CPU. A launch that forks its workers imports it once, before the fork."""
+    fork = [] if "cuda" in script else ["--num-processes", "2"]  # forked workers keep this code's patches
+    argv = ["--check", "--data-dir", data_dir, "--master-port", str(free_port()), *fork]
     code = f"""
 import sys, types, torch, torch.distributed as dist
 import {os.path.splitext(script)[0]} as script
@@ -379,6 +379,10 @@ def spy(backend, *, device_id=None, init=dist.init_process_group, **kwargs):
     print("at the group:", "torch._dynamo" in sys.modules, flush=True)
     return init("gloo", **kwargs)
 dist.init_process_group = spy
+def before_the_fork(*args, run_workers=script.run_workers):
+    print("before the fork:", "torch._dynamo" in sys.modules, flush=True)
+    return run_workers(*args)
+script.run_workers = before_the_fork
 try:
     script.main({argv!r})
 except SystemExit as e:
@@ -390,7 +394,9 @@ script.exit_at_once()
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "imported: False False" and "at the group: True" in lines, done.stdout
+    assert lines[0] == "imported: False False" and "at the group: False" not in lines, done.stdout
+    assert lines.count("at the group: True") == (1 if "cuda" in script else 2), done.stdout
+    assert ("before the fork: True" in lines) == ("cuda" not in script), done.stdout
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's allocator")
